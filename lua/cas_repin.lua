@@ -1,0 +1,31 @@
+-- ROUTING_STATE.try_compare_and_swap_pin_and_admit_request(expected_pin, model, session,
+-- provider): move the session's pin to the provider and admit the request there, only if the
+-- pin is still the expected one. A repin creates a new pin, so it may not use reserved slots.
+-- Replies PIN_MISMATCH (with the current pin) when the pin changed or expired.
+-- Op ARGV: expected pin id, target provider name, lease id, id for the new pin.
+local ctx = read_context()
+local expected_pin_id = op_arg(ctx, 1)
+local target = ctx.by_name[op_arg(ctx, 2)]
+local lease_id, new_pin_id = op_arg(ctx, 3), op_arg(ctx, 4)
+if not target then
+  return unknown_provider(ctx, op_arg(ctx, 2))
+end
+local replay = replayed_admission(ctx, target, lease_id)
+if replay then
+  return replay
+end
+local pin = read_pin(ctx)
+if not pin or pin.id ~= expected_pin_id then
+  return reply(ctx, 'PIN_MISMATCH', pin)
+end
+if pin.provider == target.name then
+  return reply(ctx, 'ALREADY_PINNED', pin)
+end
+tidy_provider(ctx, target)
+local result = capacity_result(ctx, target, 0, false, true)
+if result ~= 'ADMITTED' then
+  return reply(ctx, result, pin)
+end
+drop_pin(ctx, ctx.by_name[pin.provider], pin)
+local new_pin, lease_deadline = create_pin(ctx, target, new_pin_id, lease_id)
+return reply(ctx, 'ADMITTED', new_pin, lease_id, lease_deadline)

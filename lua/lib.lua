@@ -1,0 +1,179 @@
+-- Shared by every routing script (prepended to each one when it is loaded).
+-- The routing state of one model lives under one hash tag, so a Redis Cluster keeps it in one slot.
+--
+-- KEYS: [1] the session's pin (hash: provider, id, deadline, expiry)
+--       [2] the session's leases on its current pin (zset: lease id -> lease deadline, ms)
+--       [1+2i] provider i's live pins of this model (zset: pin id -> pin expiry, ms)
+--       [2+2i] provider i's leases of this model (zset: lease id -> lease deadline, ms)
+-- ARGV: [1] now in ms, or "" to take Redis TIME (tests pass an explicit time, production never)
+--       [2] pin inactivity timeout ms, [3] lease timeout ms, [4] housekeeping grace ms for key TTLs
+--       [5] n providers, then 5 per provider: name, max pinned sessions, max global in-flight
+--       request slots, slots reserved for pinned sessions, max per-session in-flight slots
+--       (-1: no limit); then the operation's own arguments.
+--
+-- A pin is live while its expiry is in the future; expiry = max(inactivity deadline, deadline of
+-- every lease on the pin), so a live lease keeps its pin alive and counts never include the dead.
+-- Every check comes before every write: scripts do not roll back.
+
+local NO_LIMIT = -1
+local CLEANUP_BATCH = 64
+
+local function redis_now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+local function read_context()
+  local ctx = {
+    now = tonumber(ARGV[1]) or redis_now_ms(),
+    pin_timeout = tonumber(ARGV[2]),
+    lease_timeout = tonumber(ARGV[3]),
+    grace = tonumber(ARGV[4]),
+    pin_key = KEYS[1],
+    session_leases_key = KEYS[2],
+    by_name = {},
+  }
+  local n = tonumber(ARGV[5])
+  for i = 1, n do
+    local at = 5 + (i - 1) * 5
+    ctx.by_name[ARGV[at + 1]] = {
+      name = ARGV[at + 1],
+      max_pins = tonumber(ARGV[at + 2]),
+      max_global = tonumber(ARGV[at + 3]),
+      reserved = tonumber(ARGV[at + 4]),
+      max_per_session = tonumber(ARGV[at + 5]),
+      pins_key = KEYS[1 + 2 * i],
+      leases_key = KEYS[2 + 2 * i],
+    }
+  end
+  ctx.args_at = 6 + n * 5
+  return ctx
+end
+
+local function op_arg(ctx, i)
+  return ARGV[ctx.args_at + i - 1]
+end
+
+local function live_count(key, now)
+  return redis.call('ZCOUNT', key, '(' .. now, '+inf')
+end
+
+-- Memory housekeeping only: counts never include expired members anyway.
+local function drop_expired(key, cutoff)
+  local n = redis.call('ZCOUNT', key, '-inf', cutoff)
+  if n > 0 then
+    redis.call('ZREMRANGEBYRANK', key, 0, math.min(n, CLEANUP_BATCH) - 1)
+  end
+end
+
+local function tidy_provider(ctx, p)
+  drop_expired(p.leases_key, ctx.now - ctx.lease_timeout)
+  drop_expired(p.pins_key, ctx.now)
+end
+
+local function read_pin(ctx)
+  local f = redis.call('HMGET', ctx.pin_key, 'provider', 'id', 'deadline', 'expiry')
+  if not f[1] then
+    return nil
+  end
+  local pin = {provider = f[1], id = f[2], deadline = tonumber(f[3]), expiry = tonumber(f[4])}
+  if pin.expiry <= ctx.now then
+    return nil
+  end
+  return pin
+end
+
+local function save_pin(ctx, p, pin)
+  local ttl = pin.expiry - ctx.now + ctx.grace
+  redis.call('HSET', ctx.pin_key, 'provider', pin.provider, 'id', pin.id,
+    'deadline', pin.deadline, 'expiry', pin.expiry)
+  redis.call('PEXPIRE', ctx.pin_key, ttl)
+  if redis.call('EXISTS', ctx.session_leases_key) == 1 then
+    redis.call('PEXPIRE', ctx.session_leases_key, ttl)
+  end
+  redis.call('ZADD', p.pins_key, pin.expiry, pin.id)
+  redis.call('PEXPIRE', p.pins_key, math.max(ctx.pin_timeout, ctx.lease_timeout) + ctx.grace)
+end
+
+local function drop_pin(ctx, p, pin)
+  redis.call('DEL', ctx.pin_key, ctx.session_leases_key)
+  if p then
+    redis.call('ZREM', p.pins_key, pin.id)
+  end
+end
+
+local function latest_session_lease_deadline(ctx)
+  local top = redis.call('ZRANGE', ctx.session_leases_key, -1, -1, 'WITHSCORES')
+  return tonumber(top[2]) or 0
+end
+
+local function add_lease(ctx, p, lease_id)
+  local deadline = ctx.now + ctx.lease_timeout
+  redis.call('ZADD', p.leases_key, deadline, lease_id)
+  redis.call('PEXPIRE', p.leases_key, ctx.lease_timeout + ctx.grace)
+  return deadline
+end
+
+local function add_pinned_lease(ctx, p, pin, lease_id)
+  local deadline = add_lease(ctx, p, lease_id)
+  redis.call('ZADD', ctx.session_leases_key, deadline, lease_id)
+  pin.expiry = math.max(pin.expiry, deadline)
+  save_pin(ctx, p, pin)
+  return deadline
+end
+
+local function create_pin(ctx, p, pin_id, lease_id)
+  redis.call('DEL', ctx.session_leases_key)
+  local deadline = ctx.now + ctx.pin_timeout
+  local pin = {provider = p.name, id = pin_id, deadline = deadline, expiry = deadline}
+  local lease_deadline = add_pinned_lease(ctx, p, pin, lease_id)
+  return pin, lease_deadline
+end
+
+-- The spec's capacity rules for one provider/model pair. session_in_flight is nil for requests
+-- without a session; only existing pinned sessions may use the reserved slots.
+local function capacity_result(ctx, p, session_in_flight, may_use_reserved, needs_new_pin)
+  if needs_new_pin and p.max_pins ~= NO_LIMIT and live_count(p.pins_key, ctx.now) >= p.max_pins then
+    return 'PIN_LIMIT_REACHED'
+  end
+  if session_in_flight and p.max_per_session ~= NO_LIMIT and session_in_flight >= p.max_per_session then
+    return 'PER_SESSION_IN_FLIGHT_REQUEST_LIMIT_REACHED'
+  end
+  if p.max_global ~= NO_LIMIT then
+    local in_flight = live_count(p.leases_key, ctx.now)
+    if in_flight >= p.max_global then
+      return 'GLOBAL_IN_FLIGHT_REQUEST_LIMIT_REACHED'
+    end
+    if not may_use_reserved and in_flight >= p.max_global - p.reserved then
+      return 'UNRESERVED_IN_FLIGHT_REQUEST_LIMIT_REACHED'
+    end
+  end
+  return 'ADMITTED'
+end
+
+-- Reply: {result, now, pin provider, pin id, pin deadline, pin expiry, lease id, lease deadline};
+-- "" where there is no pin or no lease.
+local function reply(ctx, result, pin, lease_id, lease_deadline)
+  if pin then
+    return {result, ctx.now, pin.provider, pin.id, pin.deadline, pin.expiry,
+      lease_id or '', lease_deadline or ''}
+  end
+  return {result, ctx.now, '', '', '', '', lease_id or '', lease_deadline or ''}
+end
+
+-- An admission retried with the same lease id never admits twice: it gets the first answer back.
+local function replayed_admission(ctx, p, lease_id)
+  local score = redis.call('ZSCORE', p.leases_key, lease_id)
+  if not score then
+    return nil
+  end
+  score = tonumber(score)
+  if score <= ctx.now then
+    return reply(ctx, 'LEASE_EXPIRED', nil, lease_id, score)
+  end
+  return reply(ctx, 'ADMITTED', read_pin(ctx), lease_id, score)
+end
+
+local function unknown_provider(ctx, name)
+  return redis.error_reply('ERR unknown provider for this model: ' .. tostring(name))
+end

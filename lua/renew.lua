@@ -1,0 +1,26 @@
+-- Renew a live request lease for another lease timeout. An expired lease is LEASE_LOST and is
+-- never re-created (the caller cancels its request).
+-- Op ARGV: provider name, lease id, pin id ("" for a temporary lease).
+local ctx = read_context()
+local p = ctx.by_name[op_arg(ctx, 1)]
+local lease_id, pin_id = op_arg(ctx, 2), op_arg(ctx, 3)
+if not p then
+  return unknown_provider(ctx, op_arg(ctx, 1))
+end
+local score = tonumber(redis.call('ZSCORE', p.leases_key, lease_id))
+if not score or score <= ctx.now then
+  return reply(ctx, 'LEASE_LOST', nil, lease_id)
+end
+local deadline = math.max(score, ctx.now + ctx.lease_timeout)
+redis.call('ZADD', p.leases_key, 'XX', deadline, lease_id)
+redis.call('PEXPIRE', p.leases_key, ctx.lease_timeout + ctx.grace)
+local pin = nil
+if pin_id ~= '' then
+  pin = read_pin(ctx)
+  if pin and pin.id == pin_id then
+    redis.call('ZADD', ctx.session_leases_key, 'XX', deadline, lease_id)
+    pin.expiry = math.max(pin.expiry, deadline)
+    save_pin(ctx, p, pin)
+  end
+end
+return reply(ctx, 'RENEWED', pin, lease_id, deadline)

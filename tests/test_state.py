@@ -1,0 +1,245 @@
+"""The routing state's transitions (lua/*.lua) against a real Redis, with explicit times (ms)."""
+
+from __future__ import annotations
+
+import pytest
+from extproc.state import PinMatch, Result
+
+T0 = 1_000_000_000
+LEASE_MS = 30_000
+PIN_MS = 300_000
+
+
+async def pin_new_session(state, session="s1", provider="iris-1", now=T0):
+    admission = await state.try_admit_unpinned_session_request(provider, "m", session, now_ms=now)
+    assert admission.result is Result.ADMITTED
+    return admission
+
+
+async def live_leases(redis_client, state, provider, now):
+    return await redis_client.zcount(state.keys.provider_leases("m", provider), f"({now}", "+inf")
+
+
+async def test_unpinned_admission_pins_the_session(state):
+    admission = await pin_new_session(state)
+    assert admission.pin.provider == "iris-1"
+    assert admission.pin.deadline_ms == T0 + PIN_MS
+    assert admission.lease.deadline_ms == T0 + LEASE_MS
+    assert admission.lease.pin_id == admission.pin.id
+    assert await state.get_pin("m", "s1", now_ms=T0 + 1) == admission.pin
+
+
+async def test_second_unpinned_admission_answers_already_pinned(state):
+    first = await pin_new_session(state)
+    second = await state.try_admit_unpinned_session_request("iris-2", "m", "s1", now_ms=T0 + 1)
+    assert second.result is Result.ALREADY_PINNED
+    assert second.pin == first.pin
+    assert second.lease is None
+
+
+async def test_pinned_admission_takes_a_lease_on_the_pin(state, redis_client):
+    first = await pin_new_session(state)
+    again = await state.try_admit_pinned_session_request("m", "s1", now_ms=T0 + 5)
+    assert again.result is Result.ADMITTED
+    assert again.pin.id == first.pin.id
+    assert await live_leases(redis_client, state, "iris-1", T0 + 5) == 2
+
+
+async def test_pinned_admission_without_pin(state):
+    admission = await state.try_admit_pinned_session_request("m", "nobody", now_ms=T0)
+    assert admission.result is Result.SESSION_NOT_PINNED
+
+
+async def test_per_session_limit(state):
+    await pin_new_session(state)
+    assert (await state.try_admit_pinned_session_request("m", "s1", now_ms=T0)).result is Result.ADMITTED
+    third = await state.try_admit_pinned_session_request("m", "s1", now_ms=T0)
+    assert third.result is Result.PER_SESSION_IN_FLIGHT_REQUEST_LIMIT_REACHED
+    assert third.pin is not None
+
+
+async def test_reserved_slots_serve_pinned_sessions_only(state):
+    # global 4, reserved 1: new requests may fill 3, the 4th slot is for pinned sessions.
+    await pin_new_session(state, "a")
+    await pin_new_session(state, "b")
+    temp = await state.try_admit_request_without_pin("iris-1", "m", now_ms=T0)
+    assert temp.result is Result.ADMITTED
+    refused = await state.try_admit_request_without_pin("iris-1", "m", now_ms=T0)
+    assert refused.result is Result.UNRESERVED_IN_FLIGHT_REQUEST_LIMIT_REACHED
+    pinned = await state.try_admit_pinned_session_request("m", "a", now_ms=T0)
+    assert pinned.result is Result.ADMITTED
+    full = await state.try_admit_pinned_session_request("m", "b", now_ms=T0)
+    assert full.result is Result.GLOBAL_IN_FLIGHT_REQUEST_LIMIT_REACHED
+
+
+async def test_pin_limit(state):
+    await pin_new_session(state, "a")
+    await pin_new_session(state, "b")
+    third = await state.try_admit_unpinned_session_request("iris-1", "m", "c", now_ms=T0)
+    assert third.result is Result.PIN_LIMIT_REACHED
+    assert await state.get_pin("m", "c", now_ms=T0) is None
+
+
+async def test_pin_outlives_its_deadline_while_a_lease_is_live(state):
+    admission = await pin_new_session(state)
+    now = T0
+    # keep renewing past the inactivity deadline
+    while now < T0 + PIN_MS + 2 * LEASE_MS:
+        now += LEASE_MS // 3
+        renewed = await state.renew_request_lease(admission.lease, now_ms=now)
+        assert renewed.result is Result.RENEWED
+        assert await state.get_pin("m", "s1", now_ms=now) is not None
+    released = await state.release_request_lease(admission.lease, refresh_pin=False, now_ms=now + 1)
+    assert released.result is Result.RELEASED
+    assert await state.get_pin("m", "s1", now_ms=now + 1) is None
+
+
+async def test_release_with_refresh_restarts_the_inactivity_deadline(state):
+    admission = await pin_new_session(state)
+    later = T0 + LEASE_MS - 1
+    released = await state.release_request_lease(admission.lease, refresh_pin=True, now_ms=later)
+    assert released.result is Result.RELEASED
+    pin = await state.get_pin("m", "s1", now_ms=later)
+    assert pin.deadline_ms == later + PIN_MS
+    assert await state.get_pin("m", "s1", now_ms=later + PIN_MS - 1) is not None
+    assert await state.get_pin("m", "s1", now_ms=later + PIN_MS) is None
+
+
+async def test_release_without_refresh_keeps_the_deadline(state):
+    admission = await pin_new_session(state)
+    await state.release_request_lease(admission.lease, refresh_pin=False, now_ms=T0 + 20_000)
+    pin = await state.get_pin("m", "s1", now_ms=T0 + 20_000)
+    assert pin.deadline_ms == T0 + PIN_MS
+
+
+async def test_expired_pins_stop_counting_against_the_pin_limit(state):
+    for session in ("a", "b"):
+        admission = await pin_new_session(state, session)
+        await state.release_request_lease(admission.lease, refresh_pin=False, now_ms=T0 + 1)
+    after = T0 + PIN_MS + 1
+    third = await state.try_admit_unpinned_session_request("iris-1", "m", "c", now_ms=after)
+    assert third.result is Result.ADMITTED
+
+
+async def test_new_pin_on_same_provider_has_a_new_id(state):
+    first = await pin_new_session(state)
+    await state.release_request_lease(first.lease, refresh_pin=False, now_ms=T0 + 1)
+    second = await pin_new_session(state, now=T0 + PIN_MS + 1)
+    assert second.pin.provider == first.pin.provider
+    assert second.pin.id != first.pin.id
+
+
+async def test_lease_expires_without_release(state, redis_client):
+    admission = await pin_new_session(state)
+    assert await live_leases(redis_client, state, "iris-1", T0 + LEASE_MS - 1) == 1
+    assert await live_leases(redis_client, state, "iris-1", T0 + LEASE_MS) == 0
+    # The slot is free again for admission at that time.
+    again = await state.try_admit_pinned_session_request("m", "s1", now_ms=T0 + LEASE_MS)
+    assert again.result is Result.ADMITTED
+    del admission
+
+
+async def test_renewal_after_expiry_is_lost_and_never_recreates(state, redis_client):
+    admission = await pin_new_session(state)
+    lost = await state.renew_request_lease(admission.lease, now_ms=T0 + LEASE_MS + 1)
+    assert lost.result is Result.LEASE_LOST
+    assert await live_leases(redis_client, state, "iris-1", T0 + LEASE_MS + 1) == 0
+
+
+async def test_admission_is_idempotent_on_the_lease_id(state, redis_client):
+    first = await state.try_admit_unpinned_session_request("iris-1", "m", "s1", lease_id="L1", now_ms=T0)
+    again = await state.try_admit_unpinned_session_request("iris-1", "m", "s1", lease_id="L1", now_ms=T0 + 1)
+    assert again.result is Result.ADMITTED and again.lease.id == "L1" and again.pin == first.pin
+    pinned = await state.try_admit_pinned_session_request("m", "s1", lease_id="L1", now_ms=T0 + 2)
+    assert pinned.result is Result.ADMITTED
+    temp1 = await state.try_admit_request_without_pin("iris-2", "m", lease_id="T1", now_ms=T0)
+    temp2 = await state.try_admit_request_without_pin("iris-2", "m", lease_id="T1", now_ms=T0)
+    assert temp1.lease == temp2.lease
+    assert await live_leases(redis_client, state, "iris-1", T0 + 2) == 1
+    assert await live_leases(redis_client, state, "iris-2", T0 + 2) == 1
+
+
+async def test_release_of_an_expired_lease_does_not_refresh_the_pin(state):
+    admission = await pin_new_session(state)
+    late = await state.release_request_lease(admission.lease, refresh_pin=True, now_ms=T0 + LEASE_MS + 1)
+    assert late.result is Result.LEASE_EXPIRED
+    assert (await state.get_pin("m", "s1", now_ms=T0 + LEASE_MS + 1)).deadline_ms == T0 + PIN_MS
+
+
+async def test_release_is_idempotent(state):
+    admission = await pin_new_session(state)
+    assert (await state.release_request_lease(admission.lease, True, now_ms=T0 + 1)).result is Result.RELEASED
+    assert (await state.release_request_lease(admission.lease, True, now_ms=T0 + 2)).result is Result.NOT_FOUND
+
+
+async def test_compare_and_swap_moves_the_pin(state, redis_client):
+    first = await pin_new_session(state)
+    cas = await state.try_compare_and_swap_pin_and_admit_request(first.pin, "m", "s1", "iris-2", now_ms=T0 + 1)
+    assert cas.pin_match is PinMatch.MATCHED
+    assert cas.admission.result is Result.ADMITTED
+    assert cas.admission.pin.provider == "iris-2"
+    assert cas.admission.pin.id != first.pin.id
+    assert (await state.get_pin("m", "s1", now_ms=T0 + 2)).provider == "iris-2"
+    # the old pin no longer counts on iris-1, the old request's lease still does until released
+    pins_key = state.keys.provider_pins("m", "iris-1")
+    assert await redis_client.zcount(pins_key, f"({T0 + 2}", "+inf") == 0
+    assert await live_leases(redis_client, state, "iris-1", T0 + 2) == 1
+    await state.release_request_lease(first.lease, refresh_pin=True, now_ms=T0 + 3)
+    assert (await state.get_pin("m", "s1", now_ms=T0 + 3)).id == cas.admission.pin.id
+
+
+async def test_compare_and_swap_with_a_stale_pin_mismatches(state):
+    first = await pin_new_session(state)
+    await state.try_compare_and_swap_pin_and_admit_request(first.pin, "m", "s1", "iris-2", now_ms=T0 + 1)
+    stale = await state.try_compare_and_swap_pin_and_admit_request(first.pin, "m", "s1", "tensorx", now_ms=T0 + 2)
+    assert stale.pin_match is PinMatch.MISMATCHED
+    assert stale.admission.pin.provider == "iris-2"
+
+
+async def test_compare_and_swap_refused_by_capacity_keeps_the_pin(state):
+    first = await pin_new_session(state, "s1", "iris-1")
+    await pin_new_session(state, "a", "iris-2")
+    await pin_new_session(state, "b", "iris-2")
+    cas = await state.try_compare_and_swap_pin_and_admit_request(first.pin, "m", "s1", "iris-2", now_ms=T0 + 1)
+    assert cas.pin_match is PinMatch.MATCHED
+    assert cas.admission.result is Result.PIN_LIMIT_REACHED
+    assert (await state.get_pin("m", "s1", now_ms=T0 + 1)).id == first.pin.id
+
+
+async def test_unlimited_pairs_admit_pinned_requests_with_leases(state, redis_client):
+    for i in range(20):
+        admission = await state.try_admit_unpinned_session_request("tensorx", "m", f"s{i}", now_ms=T0)
+        assert admission.result is Result.ADMITTED
+        assert admission.lease is not None
+    assert await live_leases(redis_client, state, "tensorx", T0) == 20
+
+
+async def test_scripts_recover_from_script_flush(state, redis_client):
+    await pin_new_session(state)
+    await redis_client.script_flush()
+    again = await state.try_admit_pinned_session_request("m", "s1", now_ms=T0 + 1)
+    assert again.result is Result.ADMITTED
+
+
+async def test_redis_time_is_used_without_an_explicit_time(state, redis_client):
+    admission = await state.try_admit_unpinned_session_request("iris-1", "m", "s1")
+    seconds, micros = await redis_client.time()
+    redis_now = seconds * 1000 + micros // 1000
+    assert redis_now - 5_000 <= admission.now_ms <= redis_now
+
+
+async def test_every_key_has_a_ttl(state, redis_client):
+    first = await pin_new_session(state)
+    await state.try_admit_request_without_pin("iris-2", "m", now_ms=T0)
+    await state.release_request_lease(first.lease, refresh_pin=True, now_ms=T0 + 1)
+    keys = await redis_client.keys("*")
+    assert keys
+    for key in keys:
+        assert await redis_client.pttl(key) > 0, key
+
+
+async def test_every_key_of_a_model_shares_one_hash_tag(state, redis_client):
+    await pin_new_session(state)
+    await state.try_admit_request_without_pin("iris-2", "m", now_ms=T0)
+    keys = [k.decode() for k in await redis_client.keys("*")]
+    assert keys and all(k.startswith("{t:m}:") for k in keys)
