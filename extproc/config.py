@@ -19,7 +19,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 FEATURE_CLASSES = frozenset({"chat", "completions", "embeddings", "responses"})
-SUB_FEATURES = frozenset({"tools", "vision", "json_schema", "streaming"})
+SUB_FEATURES = frozenset({"tools", "vision", "json_schema"})
 
 
 class ConfigError(ValueError):
@@ -85,6 +85,7 @@ class RedisSettings(_Strict):
     url: str = "redis://127.0.0.1:6379/0"
     key_prefix: str = Field(default="iris", pattern=r"^[A-Za-z0-9._:-]+$")
     socket_timeout_seconds: float = Field(default=0.5, gt=0)
+    max_connections: int = Field(default=64, gt=0)
     housekeeping_grace_seconds: float = Field(default=60.0, ge=0)
 
 
@@ -221,8 +222,13 @@ _MESSAGES = {
 def _describe(error: Any) -> str:
     path = _format_location(error["loc"])
     template = _MESSAGES.get(error["type"])
-    message = template.format(**error.get("ctx", {})) if template else error["msg"]
+    context = {k: _plain_number(v) for k, v in error.get("ctx", {}).items()}
+    message = template.format(**context) if template else error["msg"]
     return f"{path}: {message}"
+
+
+def _plain_number(value: Any) -> Any:
+    return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
 def _format_location(loc: tuple[Any, ...]) -> str:

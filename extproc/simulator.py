@@ -56,7 +56,7 @@ _MAX_BODY_BYTES = 64 * 1024 * 1024
 _SHUTDOWN_TIMEOUT_S = 2.0
 _LISTEN_BACKLOG = 1024
 
-# requests_by_status keys that are not HTTP statuses.
+# requests_by_status keys of requests that got no complete answer.
 OUTCOME_CLIENT_GONE = "499"  # the client went away (or timed out) before the answer was complete
 OUTCOME_RESET = "reset"  # the connection was dropped on purpose by failure injection
 
@@ -387,8 +387,15 @@ class _ChatApi:
         return b""
 
     def stream_token(self, gen: _Generation, i: int) -> bytes:
-        delta = {"role": "assistant", "content": gen.delta(i)} if i == 0 else {"content": gen.delta(i)}
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": gen.finish_reason(i)}
+        delta = {"content": gen.delta(i)}
+        if i == 0:
+            delta = {"role": "assistant", **delta}
+        choice = {
+            "index": 0,
+            "delta": delta,
+            "logprobs": None,
+            "finish_reason": gen.finish_reason(i),
+        }
         return _sse(self._envelope(gen, "chat.completion.chunk", [choice]))
 
     def stream_end(self, gen: _Generation) -> bytes:
@@ -475,8 +482,8 @@ class _ResponsesApi:
         return self._response(gen, "completed", [message], self._usage(gen))
 
     def stream_start(self, gen: _Generation) -> bytes:
-        created = {"type": "response.created", "response": self._response(gen, "in_progress", [], None)}
-        return _sse(created, "response.created")
+        response = self._response(gen, "in_progress", [], None)
+        return _sse({"type": "response.created", "response": response}, "response.created")
 
     def stream_token(self, gen: _Generation, i: int) -> bytes:
         delta = {
@@ -489,7 +496,8 @@ class _ResponsesApi:
         return _sse(delta, "response.output_text.delta")
 
     def stream_end(self, gen: _Generation) -> bytes:
-        return _sse({"type": "response.completed", "response": self.answer(gen)}, "response.completed")
+        completed = {"type": "response.completed", "response": self.answer(gen)}
+        return _sse(completed, "response.completed")
 
     @staticmethod
     def _message_id(gen: _Generation) -> str:
@@ -591,8 +599,8 @@ class _Service:
         exchange = self.state.request_started(request.headers.items())
         try:
             body = await _read_json_object(request)
-            self.state.last_request_models.append(body.get("model"))
             model = body.get("model")
+            self.state.last_request_models.append(model)
             if not isinstance(model, str):
                 raise _invalid("'model' must be a string")
             self.state.model_started(exchange, model)
@@ -613,7 +621,9 @@ class _Service:
     def _check_access(self, request: web.Request, model: str) -> None:
         key = self.config.required_api_key
         if key is not None and not _authorized(request.headers, key):
-            raise _ApiError(401, "Incorrect API key provided.", "invalid_request_error", "invalid_api_key")
+            raise _ApiError(
+                401, "Incorrect API key provided.", "invalid_request_error", "invalid_api_key"
+            )
         served = self.config.served_model_names
         if served is not None and model not in served:
             raise _ApiError(
@@ -685,9 +695,9 @@ class _Service:
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
-        await response.prepare(request)
         deadline = asyncio.get_running_loop().time() + self.config.ttft_ms / 1000
         try:
+            await response.prepare(request)
             start = api.stream_start(gen)
             if start:
                 await response.write(start)
@@ -711,10 +721,10 @@ class _Service:
         self, request: web.Request, body: dict[str, Any], exchange: _Exchange, drop: bool
     ) -> web.StreamResponse:
         texts = _strings(body.get("input"), "input")
-        if drop:
-            return self._drop(request, exchange)
         prompt_tokens = sum(len(text.split()) for text in texts)
         self.state.prompt_tokens += prompt_tokens
+        if drop:
+            return self._drop(request, exchange)
         await asyncio.sleep(self.config.ttft_ms / 1000)
         data = [
             {"object": "embedding", "index": index, "embedding": _embedding(text)}

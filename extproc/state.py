@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from redis.asyncio import Redis
+from redis.asyncio import BlockingConnectionPool, Redis
 
 from extproc.config import Config, Provider
 
@@ -136,6 +136,20 @@ class Keyspace:
 
     def degraded(self, model: str, provider: str) -> str:
         return f"{self.tag(model)}:degraded:{provider}"
+
+
+def connect(url: str, timeout_seconds: float = 0.5, max_connections: int = 64) -> Redis:
+    """An asyncio Redis client whose pool waits (up to `timeout_seconds`, seconds) for a free
+    connection instead of failing when `max_connections` are busy. Commands time out after
+    `timeout_seconds` too, so a dead Redis costs a request at most that long per round trip."""
+    pool = BlockingConnectionPool.from_url(
+        url,
+        max_connections=max_connections,
+        timeout=timeout_seconds,
+        socket_timeout=timeout_seconds,
+        socket_connect_timeout=timeout_seconds,
+    )
+    return Redis(connection_pool=pool)
 
 
 SCRIPT_NAMES = (

@@ -6,11 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import redis.asyncio as aioredis
 
 from extproc.config import parse_config
 from extproc.processes import start_redis
-from extproc.state import RoutingState
+from extproc.state import RoutingState, connect
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -29,7 +28,7 @@ def redis_url(redis_server) -> str:
 
 @pytest.fixture
 async def redis_client(redis_url):
-    client = aioredis.Redis.from_url(redis_url)
+    client = connect(redis_url, timeout_seconds=5)
     await client.flushall()
     yield client
     await client.aclose()

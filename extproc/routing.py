@@ -1,0 +1,208 @@
+"""The routing algorithm of ../shared/spec/admission-and-pinning.seed.txt, function by function.
+
+Where the spec calls `run(request, provider)`, this module returns a `Decision` instead: the
+caller (the ext_proc server) runs the request on the decision's cluster, keeps the lease renewed
+(`extproc.leases.LeaseHolder`) and releases it when the response ends. The functions keep the
+spec's names and order; only Redis details live in `extproc.state`.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from extproc.config import Config, Provider, ProviderKind
+from extproc.degraded import DegradedFlags
+from extproc.state import Admission, Lease, Pin, PinMatch, Result, RoutingState
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingRequest:
+    """What routing needs to know of a request: the model, the feature class (chat, completions,
+    embeddings, responses), its sub-features (tools, vision, ...) and the session id (None: the
+    request never forms a session, for example embeddings)."""
+
+    model: str
+    feature: str
+    sub_features: frozenset[str]
+    session_id: str | None
+
+
+class Reason(str, enum.Enum):
+    """Why a provider serves a request."""
+
+    PINNED = "pinned"  # the session's existing pin
+    NEW_PIN = "new_pin"  # the session was not pinned; now it is, here
+    REPINNED = "repinned"  # the pinned provider no longer fits: compare-and-swap moved the pin
+    OFFLOADED = "offloaded"  # the pin's capacity is full: served elsewhere once, the pin is kept
+    UNPINNED = "unpinned"  # a request without a session
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """Where a request goes. `lease` is None only for a temporary request on a pair without
+    limits (the spec: no lease is needed there). `refresh_pin_on_success` tells the release
+    whether a successful response restarts the pin's inactivity deadline."""
+
+    provider: Provider
+    reason: Reason
+    lease: Lease | None
+    pin: Pin | None
+    refresh_pin_on_success: bool
+
+
+class RejectionKind(str, enum.Enum):
+    """Why no provider serves a request: no provider supports the model and features; every
+    supporting provider is degraded; or they are at capacity (the client may retry soon)."""
+
+    UNSUPPORTED = "unsupported"
+    UNAVAILABLE = "unavailable"
+    CAPACITY = "capacity"
+
+
+@dataclass(frozen=True, slots=True)
+class Rejection:
+    """The spec's reject_request_as_unsupported_or_unavailable, with the reason spelled out."""
+
+    kind: RejectionKind
+    message: str
+
+
+class _Retry:
+    """The spec's RETRY_ROUTING sentinel."""
+
+
+RETRY_ROUTING = _Retry()
+
+Outcome = Decision | Rejection
+
+
+class Router:
+    """The spec's execute_request and the functions it calls, over a RoutingState.
+
+    Every method may raise redis.exceptions.RedisError when Redis cannot be reached."""
+
+    def __init__(self, config: Config, state: RoutingState, degraded: DegradedFlags):
+        self.config = config
+        self.state = state
+        self.degraded = degraded
+        self._providers = config.providers_in_priority_order()
+        self._by_name = {p.name: p for p in self._providers}
+
+    async def execute_request(self, request: RoutingRequest) -> Outcome:
+        """Decide where `request` goes: the spec's execute_request, with its retry loop."""
+        if request.session_id is None:
+            return await self.execute_request_without_pinning(request)
+        for _ in range(self.config.max_routing_attempts):
+            pin = await self.state.get_pin(request.model, request.session_id)
+            if pin is None:
+                outcome = await self.execute_not_yet_pinned_request(request)
+            else:
+                outcome = await self.execute_pinned_request(request, pin)
+            if outcome is not RETRY_ROUTING:
+                return outcome
+        return Rejection(RejectionKind.UNAVAILABLE, "routing did not settle: the session's pin kept changing")
+
+    async def execute_request_without_pinning(self, request: RoutingRequest) -> Outcome:
+        return await self.execute_temporary_fallback(request, excluded_provider=None)
+
+    async def execute_not_yet_pinned_request(self, request: RoutingRequest) -> Outcome | _Retry:
+        for provider in self._eligible(request):
+            admission = await self.state.try_admit_unpinned_session_request(
+                provider.name, request.model, request.session_id
+            )
+            if admission.result is Result.ALREADY_PINNED:
+                return RETRY_ROUTING
+            if admission.result is Result.ADMITTED:
+                return self.execute_on_pinned_provider(admission, Reason.NEW_PIN)
+        return self.reject_request_as_unsupported_or_unavailable(request)
+
+    async def execute_pinned_request(self, request: RoutingRequest, pin: Pin) -> Outcome | _Retry:
+        provider = self._by_name.get(pin.provider)
+        if provider is None or not self._fits(provider, request):
+            return await self.try_repin_to_other_provider_and_retry_execute(request, pin)
+
+        admission = await self.state.try_admit_pinned_session_request(request.model, request.session_id)
+        if admission.result is Result.SESSION_NOT_PINNED:
+            return RETRY_ROUTING
+        if admission.pin is None or admission.pin.id != pin.id:
+            if admission.result is Result.ADMITTED:
+                await self.state.release_request_lease(admission.lease, refresh_pin=False)
+            return RETRY_ROUTING
+        if admission.result in (
+            Result.PER_SESSION_IN_FLIGHT_REQUEST_LIMIT_REACHED,
+            Result.GLOBAL_IN_FLIGHT_REQUEST_LIMIT_REACHED,
+        ):
+            return await self.execute_temporary_fallback(request, excluded_provider=provider)
+        if admission.result is not Result.ADMITTED:
+            return RETRY_ROUTING
+        return self.execute_on_pinned_provider(admission, Reason.PINNED)
+
+    async def try_repin_to_other_provider_and_retry_execute(
+        self, request: RoutingRequest, current_pin: Pin
+    ) -> Outcome | _Retry:
+        for provider in self._eligible(request):
+            if provider.name == current_pin.provider:
+                continue
+            cas = await self.state.try_compare_and_swap_pin_and_admit_request(
+                current_pin, request.model, request.session_id, provider.name
+            )
+            if cas.pin_match is not PinMatch.MATCHED:
+                return RETRY_ROUTING
+            if cas.admission.result is Result.ADMITTED:
+                return self.execute_on_pinned_provider(cas.admission, Reason.REPINNED)
+            if cas.admission.result is Result.ALREADY_PINNED:
+                return RETRY_ROUTING
+            # Not enough pin or request capacity there; the pin is unchanged: try the next one.
+        return self.reject_request_as_unsupported_or_unavailable(request)
+
+    async def execute_temporary_fallback(
+        self, request: RoutingRequest, excluded_provider: Provider | None
+    ) -> Outcome:
+        reason = Reason.UNPINNED if excluded_provider is None else Reason.OFFLOADED
+        for provider in self._eligible(request):
+            if provider is excluded_provider:
+                continue
+            if self.provider_has_configured_limits(provider, request.model):
+                admission = await self.state.try_admit_request_without_pin(provider.name, request.model)
+                if admission.result is not Result.ADMITTED:
+                    continue
+                return Decision(provider, reason, admission.lease, None, refresh_pin_on_success=False)
+            # Pairs without limits need no capacity lease for requests not tied to one of their pins.
+            return Decision(provider, reason, None, None, refresh_pin_on_success=False)
+        return self.reject_request_as_unsupported_or_unavailable(request)
+
+    def execute_on_pinned_provider(self, admission: Admission, reason: Reason) -> Decision:
+        provider = self._by_name[admission.pin.provider]
+        return Decision(provider, reason, admission.lease, admission.pin, refresh_pin_on_success=True)
+
+    def reject_request_as_unsupported_or_unavailable(self, request: RoutingRequest) -> Rejection:
+        supporting = [p for p in self._providers if self._supports(p, request)]
+        if not supporting:
+            features = ", ".join(sorted({request.feature, *request.sub_features}))
+            return Rejection(
+                RejectionKind.UNSUPPORTED, f"no provider serves model '{request.model}' with {features}"
+            )
+        if all(self.provider_is_degraded(p, request.model) for p in supporting):
+            return Rejection(RejectionKind.UNAVAILABLE, f"every provider of model '{request.model}' is degraded")
+        return Rejection(RejectionKind.CAPACITY, f"every provider of model '{request.model}' is at capacity")
+
+    def provider_is_degraded(self, provider: Provider, model: str) -> bool:
+        """The spec: only managed providers can be degraded."""
+        if provider.kind is not ProviderKind.MANAGED:
+            return False
+        return self.degraded.is_degraded(provider.name, model)
+
+    def provider_has_configured_limits(self, provider: Provider, model: str) -> bool:
+        return provider.limits(model) is not None
+
+    def _supports(self, provider: Provider, request: RoutingRequest) -> bool:
+        return provider.supports(request.model, request.feature, request.sub_features)
+
+    def _fits(self, provider: Provider, request: RoutingRequest) -> bool:
+        return self._supports(provider, request) and not self.provider_is_degraded(provider, request.model)
+
+    def _eligible(self, request: RoutingRequest) -> list[Provider]:
+        """Providers in priority order that support the request and are not degraded."""
+        return [p for p in self._providers if self._fits(p, request)]
+

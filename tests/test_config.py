@@ -1,0 +1,84 @@
+"""Configuration validation: one message per problem, each naming its field path."""
+
+from __future__ import annotations
+
+import pytest
+
+from extproc.config import ConfigError, load_config, parse_config
+from tests.conftest import ROOT, small_config_data
+
+
+def problems(data) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        parse_config(data)
+    return info.value.problems
+
+
+def test_small_config_is_valid():
+    config = parse_config(small_config_data())
+    assert [p.name for p in config.providers_in_priority_order()] == ["iris-1", "iris-2", "tensorx"]
+    assert [p.name for p in config.providers_for("e")] == ["iris-1", "tensorx"]
+    assert config.pin_inactivity_timeout_seconds == 300
+    assert config.lease_timeout_seconds == 30
+    assert config.max_routing_attempts == 10
+
+
+def test_unlimited_providers_come_after_managed_ones():
+    data = small_config_data()
+    data["providers"].insert(0, data["providers"].pop())
+    assert [p.name for p in parse_config(data).providers_in_priority_order()] == ["iris-1", "iris-2", "tensorx"]
+
+
+def test_negative_limit_names_the_field_path():
+    data = small_config_data()
+    data["providers"][1]["models"]["m"]["limits"] = {"max_pinned_sessions": -1}
+    assert problems(data) == ["providers[1].models.m.limits.max_pinned_sessions: must be >= 0"]
+
+
+def test_every_problem_is_reported():
+    data = small_config_data()
+    data["providers"][0]["models"]["m"]["limits"] = {
+        "max_global_in_flight_request_slots": 2,
+        "global_in_flight_request_slots_reserved_for_pinned_sessions": 3,
+    }
+    data["providers"][1]["name"] = "iris-1"
+    data["providers"][2]["cluster"] = "iris-2"
+    found = problems(data)
+    assert "providers: duplicate provider name 'iris-1'" in found
+    assert "providers: duplicate provider cluster 'iris-2'" in found
+    assert (
+        "providers[0].models.m.limits.global_in_flight_request_slots_reserved_for_pinned_sessions: "
+        "must be <= max_global_in_flight_request_slots (2)"
+    ) in found
+    assert len(found) == 3
+
+
+def test_schema_problems_are_all_listed():
+    data = small_config_data(lease_timeout_seconds=0, surprise=1)
+    del data["providers"][0]["kind"]
+    found = problems(data)
+    assert "lease_timeout_seconds: must be > 0" in found
+    assert "surprise: unknown field" in found
+    assert "providers[0].kind: is required" in found
+
+
+def test_unlimited_provider_with_limits_is_rejected():
+    data = small_config_data()
+    data["providers"][2]["models"]["m"]["limits"] = {"max_pinned_sessions": 1}
+    assert problems(data) == ["providers[2].models.m.limits: an unlimited provider has no limits (the spec)"]
+
+
+def test_unknown_feature_and_brace_in_model_name():
+    data = small_config_data()
+    data["providers"][2]["models"]["b{x}"] = {"features": ["chat", "telepathy"]}
+    found = problems(data)
+    assert "providers[2].models.b{x}: a model name must be non-blank and hold no braces" in found
+    assert "providers[2].models.b{x}.features: unknown feature(s) ['telepathy']" in found
+
+
+def test_bad_yaml_file(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("providers: [\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert info.value.problems[0].startswith("<file>: not valid YAML")
