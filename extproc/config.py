@@ -107,6 +107,8 @@ class ServerSettings(_Strict):
     retry_after_seconds: int = Field(default=1, ge=0)
     expose_routing_headers: bool = False
     degraded_refresh_seconds: float = Field(default=1.0, gt=0)
+    decision_timeout_seconds: float = Field(default=2.0, gt=0)
+    metrics_listen: str | None = None
 
 
 class Config(_Strict):

@@ -1,0 +1,160 @@
+"""The `iris-extproc` command.
+
+    iris-extproc serve --config PATH          run the ext_proc server
+    iris-extproc up [--demo]                  a whole local gateway (Redis, Envoy, providers)
+    iris-extproc drain PROVIDER [--model M]   mark a provider degraded by hand
+    iris-extproc undrain PROVIDER [--model M]
+    iris-extproc status                       providers, models and their state
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+from extproc.config import Config, ConfigError, load_config
+from extproc.degraded import DEFAULT_MANUAL_TTL_SECONDS, DegradedFlags
+from extproc.state import connect
+
+log = logging.getLogger("iris-extproc")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the exit code (2 for a bad configuration)."""
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="iris-extproc", description=__doc__.split("\n")[1].strip())
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    commands = parser.add_subparsers(required=True, dest="command")
+
+    serve = commands.add_parser("serve", help="run the ext_proc gRPC server")
+    serve.add_argument("--config", required=True)
+    serve.set_defaults(func=_serve)
+
+    up = commands.add_parser("up", help="start a local gateway: Redis, Envoy, ext_proc and simulated providers")
+    up.add_argument("--config", help="routing config (default: envoy/example-config.yaml)")
+    up.add_argument("--demo", action="store_true", help="drive a multi-turn conversation through it, then keep running")
+    up.add_argument("--exit-after-demo", action="store_true", help="with --demo: stop once the conversation is done")
+    up.set_defaults(func=_up)
+
+    for name, helptext in (("drain", "mark a provider degraded (new traffic avoids it)"), ("undrain", "clear a drain")):
+        cmd = commands.add_parser(name, help=helptext)
+        cmd.add_argument("provider")
+        cmd.add_argument("--model", help="only this model (default: every model of the provider)")
+        cmd.add_argument("--config", required=True)
+        if name == "drain":
+            cmd.add_argument("--ttl-seconds", type=float, default=DEFAULT_MANUAL_TTL_SECONDS)
+            cmd.add_argument("--reason", default="drained by an operator")
+        cmd.set_defaults(func=_drain if name == "drain" else _undrain)
+
+    status = commands.add_parser("status", help="list providers with their state and why")
+    status.add_argument("--config", required=True)
+    status.set_defaults(func=_status)
+    return parser
+
+
+def _serve(args) -> int:
+    from extproc.server import SecretMissing, serve
+
+    config = load_config(args.config)
+    try:
+        asyncio.run(serve(config))
+    except SecretMissing as exc:
+        print(f"iris-extproc: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _up(args) -> int:
+    import yaml
+
+    from extproc.local_gateway import LocalGateway
+
+    data = yaml.safe_load(open(args.config)) if args.config else None
+    with LocalGateway(config_data=data) as gateway:
+        print(f"gateway up: {gateway.url}/v1  (Redis {gateway.redis_url}, logs in {gateway.work_dir})", flush=True)
+        if args.demo:
+            from extproc.demo import run_conversation
+
+            run_conversation(gateway.url)
+            if args.exit_after_demo:
+                return 0
+        print("press Ctrl-C to stop", flush=True)
+        _wait_for_signal()
+    return 0
+
+
+def _wait_for_signal() -> None:
+    received = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, frame: received.append(signum))
+    while not received:
+        signal.pause()
+
+
+def _pairs(flags: DegradedFlags, config: Config, provider: str, model: str | None) -> list[tuple[str, str]]:
+    config.provider(provider)  # KeyError for an unknown provider
+    pairs = flags.pairs(provider, model)
+    if not pairs:
+        raise SystemExit(f"iris-extproc: {provider} has no managed model {model or ''}: unlimited providers are never degraded")
+    return pairs
+
+
+def _drain(args) -> int:
+    async def run():
+        config = load_config(args.config)
+        redis = connect(config.redis.url, config.redis.socket_timeout_seconds)
+        flags = DegradedFlags(redis, config)
+        for provider, model in _pairs(flags, config, args.provider, args.model):
+            await flags.set(provider, model, f"manual: {args.reason}", args.ttl_seconds)
+            print(f"drained {provider} {model}")
+        await redis.aclose()
+
+    asyncio.run(run())
+    return 0
+
+
+def _undrain(args) -> int:
+    async def run():
+        config = load_config(args.config)
+        redis = connect(config.redis.url, config.redis.socket_timeout_seconds)
+        flags = DegradedFlags(redis, config)
+        for provider, model in _pairs(flags, config, args.provider, args.model):
+            await flags.clear(provider, model)
+            print(f"undrained {provider} {model}")
+        await redis.aclose()
+
+    asyncio.run(run())
+    return 0
+
+
+def _status(args) -> int:
+    async def run():
+        config = load_config(args.config)
+        redis = connect(config.redis.url, config.redis.socket_timeout_seconds)
+        reasons = await DegradedFlags(redis, config).refresh()
+        await redis.aclose()
+        print(f"{'provider':<16}{'kind':<11}{'model':<28}{'state':<10}why")
+        for provider in config.providers_in_priority_order():
+            for model in provider.models:
+                why = reasons.get((provider.name, model))
+                state = "degraded" if why else "healthy"
+                print(f"{provider.name:<16}{provider.kind.value:<11}{model:<28}{state:<10}{why or ''}")
+
+    asyncio.run(run())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

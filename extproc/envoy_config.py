@@ -1,0 +1,63 @@
+"""Rendering envoy/envoy.yaml for a local run: the same file, with ports and addresses rewritten.
+
+envoy/envoy.yaml stays the one source of the Envoy configuration; `iris-extproc up`, the tests
+and the benchmarks only move its listener, admin, ext_proc and provider clusters onto free ports.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+DEFAULT_ENVOY_YAML = Path(__file__).resolve().parent.parent / "envoy" / "envoy.yaml"
+
+
+def load_envoy_yaml(path: Path = DEFAULT_ENVOY_YAML) -> dict[str, Any]:
+    """The Envoy bootstrap as a dict."""
+    return yaml.safe_load(path.read_text())
+
+
+def cluster_names(bootstrap: dict[str, Any]) -> list[str]:
+    """Names of the static clusters of a bootstrap."""
+    return [c["name"] for c in bootstrap["static_resources"]["clusters"]]
+
+
+def cluster_port(bootstrap: dict[str, Any], name: str) -> int:
+    """The port of cluster `name`'s first endpoint. Raises KeyError for an unknown cluster."""
+    for cluster in bootstrap["static_resources"]["clusters"]:
+        if cluster["name"] == name:
+            endpoint = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
+            return endpoint["address"]["socket_address"]["port_value"]
+    raise KeyError(name)
+
+
+def render(
+    listener_port: int,
+    admin_port: int,
+    cluster_ports: dict[str, int],
+    source: Path = DEFAULT_ENVOY_YAML,
+    extra_clusters: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """envoy.yaml with its listener on `listener_port`, admin on `admin_port`, and each cluster
+    in `cluster_ports` (extproc and providers) sent to 127.0.0.1:<port>. Clusters not named keep
+    their addresses. Raises KeyError when `cluster_ports` names a cluster the file lacks."""
+    bootstrap = load_envoy_yaml(source)
+    bootstrap["admin"]["address"]["socket_address"]["port_value"] = admin_port
+    bootstrap["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"] = listener_port
+    clusters = {c["name"]: c for c in bootstrap["static_resources"]["clusters"]}
+    for name, port in cluster_ports.items():
+        for group in clusters[name]["load_assignment"]["endpoints"]:
+            for endpoint in group["lb_endpoints"]:
+                address = endpoint["endpoint"]["address"]["socket_address"]
+                address["address"] = "127.0.0.1"
+                address["port_value"] = port
+    bootstrap["static_resources"]["clusters"].extend(extra_clusters or [])
+    return bootstrap
+
+
+def write(bootstrap: dict[str, Any], path: Path) -> Path:
+    """Write a bootstrap as YAML and return the path."""
+    path.write_text(yaml.safe_dump(bootstrap, sort_keys=False))
+    return path

@@ -1,0 +1,108 @@
+"""Building Envoy ext_proc ProcessingResponse messages (upb-backed types from xds-protos).
+
+Names follow Envoy's API: CommonResponse, HeaderMutation, ImmediateResponse. See
+envoy/service/ext_proc/v3/external_processor.proto.
+"""
+
+from __future__ import annotations
+
+import orjson
+from envoy.config.core.v3.base_pb2 import HeaderValue, HeaderValueOption
+from envoy.service.ext_proc.v3.external_processor_pb2 import (
+    BodyResponse,
+    CommonResponse,
+    HeaderMutation,
+    HeadersResponse,
+    HttpHeaders,
+    ImmediateResponse,
+    ProcessingResponse,
+    TrailersResponse,
+)
+from envoy.type.v3.http_status_pb2 import HttpStatus
+
+_OVERWRITE = HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+
+
+def header_map(headers: HttpHeaders) -> dict[str, str]:
+    """The headers of a ProcessingRequest phase as a dict of lowercase name -> value. Envoy sends
+    values in `raw_value` (bytes); invalid UTF-8 is replaced, never raised."""
+    out = {}
+    for header in headers.headers.headers:
+        value = header.raw_value.decode("utf-8", "replace") if header.raw_value else header.value
+        out[header.key.lower()] = value
+    return out
+
+
+def header_mutation(set_headers: dict[str, str] | None = None, remove: list[str] | None = None) -> HeaderMutation:
+    """A HeaderMutation that overwrites `set_headers` and removes `remove`."""
+    return HeaderMutation(
+        set_headers=[
+            HeaderValueOption(header=HeaderValue(key=k, raw_value=v.encode()), append_action=_OVERWRITE)
+            for k, v in (set_headers or {}).items()
+        ],
+        remove_headers=remove or [],
+    )
+
+
+def continue_request_headers(remove: list[str]) -> ProcessingResponse:
+    """Let the request headers through, removing `remove` (the routing header a client may send)."""
+    common = CommonResponse(header_mutation=header_mutation(remove=remove)) if remove else CommonResponse()
+    return ProcessingResponse(request_headers=HeadersResponse(response=common))
+
+
+def route_to_cluster(
+    routing_header: str, cluster: str, extra_headers: dict[str, str] | None = None, remove: list[str] | None = None,
+    body: bytes | None = None,
+) -> ProcessingResponse:
+    """The request-body answer that routes: set `routing_header` to `cluster` and clear the route
+    cache in the same CommonResponse, so Envoy re-matches the route with `cluster_header`
+    (a clear without a header mutation in the same response is ignored: see the notes).
+    A replaced `body` gets its content-length set in the same mutation, as Envoy requires."""
+    headers = {routing_header: cluster, **(extra_headers or {})}
+    common = CommonResponse(clear_route_cache=True)
+    if body is not None:
+        headers["content-length"] = str(len(body))
+        common.body_mutation.body = body
+    common.header_mutation.CopyFrom(header_mutation(headers, remove))
+    return ProcessingResponse(request_body=BodyResponse(response=common))
+
+
+def continue_response_headers(extra_headers: dict[str, str] | None = None) -> ProcessingResponse:
+    """Let the response headers through, adding `extra_headers` if any."""
+    common = CommonResponse(header_mutation=header_mutation(extra_headers)) if extra_headers else CommonResponse()
+    return ProcessingResponse(response_headers=HeadersResponse(response=common))
+
+
+def continue_request_body() -> ProcessingResponse:
+    return ProcessingResponse(request_body=BodyResponse(response=CommonResponse()))
+
+
+def continue_response_body() -> ProcessingResponse:
+    return ProcessingResponse(response_body=BodyResponse(response=CommonResponse()))
+
+
+def continue_request_trailers() -> ProcessingResponse:
+    return ProcessingResponse(request_trailers=TrailersResponse())
+
+
+def continue_response_trailers() -> ProcessingResponse:
+    return ProcessingResponse(response_trailers=TrailersResponse())
+
+
+def openai_error_body(message: str, error_type: str, code: str, param: str | None = None) -> bytes:
+    """An OpenAI-style error: {"error": {"message", "type", "param", "code"}}."""
+    return orjson.dumps({"error": {"message": message, "type": error_type, "param": param, "code": code}})
+
+
+def immediate_json(status: int, body: bytes, headers: dict[str, str] | None = None, details: str = "") -> ProcessingResponse:
+    """An ImmediateResponse: Envoy answers the client with `status` and the JSON `body` without
+    going upstream."""
+    all_headers = {"content-type": "application/json", **(headers or {})}
+    return ProcessingResponse(
+        immediate_response=ImmediateResponse(
+            status=HttpStatus(code=status),
+            headers=header_mutation(all_headers),
+            body=body,
+            details=details,
+        )
+    )

@@ -1,0 +1,167 @@
+"""A whole gateway on this machine: Redis, simulated providers, ext_proc servers and Envoys.
+
+`iris-extproc up`, the integration tests and the benchmarks all start the gateway through
+`LocalGateway`: every process binds 127.0.0.1 on a free port and is stopped by its pid. With
+`instances > 1`, several Envoy + ext_proc pairs share one Redis and the same providers, as
+several proxy replicas would in production.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from extproc import envoy_config
+from extproc.config import Config, parse_config
+from extproc.processes import ManagedProcess, envoy_binary, free_port, spawn, start_redis, wait_for_port
+
+EXAMPLE_CONFIG = Path(__file__).resolve().parent.parent / "envoy" / "example-config.yaml"
+
+
+@dataclass
+class ProviderSimulation:
+    """How to simulate one provider: delays in milliseconds, prefix-cache size in blocks."""
+
+    ttft_ms: float = 20
+    per_token_ms: float = 2
+    block_tokens: int = 512
+    cache_blocks: int = 4096
+    api_key_env: str | None = None
+
+
+@dataclass
+class Instance:
+    """One proxy replica: an Envoy and its ext_proc server."""
+
+    index: int
+    envoy: ManagedProcess
+    extproc: ManagedProcess
+    listener_port: int
+    admin_port: int
+    config_path: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.listener_port}"
+
+
+@dataclass
+class LocalGateway:
+    """Starts and stops a local gateway. Use as a context manager or call start()/stop().
+
+    `config_data`: routing configuration as a dict (default: envoy/example-config.yaml); its
+    redis URL, key prefix and listen address are overwritten. `simulations`: per provider name.
+    `env`: extra environment for the ext_proc servers (for example provider API keys)."""
+
+    config_data: dict[str, Any] | None = None
+    instances: int = 1
+    simulations: dict[str, ProviderSimulation] = field(default_factory=dict)
+    work_dir: Path | None = None
+    redis_url: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    envoy_source: Path = envoy_config.DEFAULT_ENVOY_YAML
+
+    def __post_init__(self):
+        self.work_dir = Path(self.work_dir or tempfile.mkdtemp(prefix="iris-gateway-"))
+        self.secret = secrets.token_hex(16)
+        self.redis: ManagedProcess | None = None
+        self.providers: dict[str, ManagedProcess] = {}
+        self.running: list[Instance] = []
+        self.config: Config | None = None
+
+    def __enter__(self) -> LocalGateway:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    @property
+    def url(self) -> str:
+        """The first instance's client URL."""
+        return self.running[0].url
+
+    def provider_url(self, name: str) -> str:
+        return f"http://127.0.0.1:{self.providers[name].port}"
+
+    def start(self) -> None:
+        """Start Redis (unless `redis_url` was given), the providers, then each instance."""
+        if self.redis_url is None:
+            self.redis = start_redis(self.work_dir / "redis")
+            self.redis_url = f"redis://127.0.0.1:{self.redis.port}/0"
+        data = yaml.safe_load(EXAMPLE_CONFIG.read_text()) if self.config_data is None else self.config_data
+        self.config = parse_config(data)
+        for provider in self.config.providers:
+            self.providers[provider.name] = self._start_simulator(provider.name)
+        for index in range(self.instances):
+            self.running.append(self._start_instance(index, data))
+        for process in self.providers.values():
+            wait_for_port(process.port, process=process.popen)
+
+    def stop(self) -> None:
+        """Stop everything, newest first."""
+        for instance in reversed(self.running):
+            instance.envoy.stop()
+            instance.extproc.stop()
+        for process in self.providers.values():
+            process.stop()
+        if self.redis is not None:
+            self.redis.stop()
+        self.running.clear()
+
+    def extproc_env(self) -> dict[str, str]:
+        return {**os.environ, "IRIS_SESSION_SECRET": self.secret, **self.env}
+
+    def _start_simulator(self, name: str) -> ManagedProcess:
+        sim = self.simulations.get(name, ProviderSimulation())
+        port = free_port()
+        argv = [
+            sys.executable, "-m", "extproc.simulator", "--name", name, "--port", str(port),
+            "--ttft-ms", str(sim.ttft_ms), "--per-token-ms", str(sim.per_token_ms),
+            "--block-tokens", str(sim.block_tokens), "--cache-blocks", str(sim.cache_blocks),
+        ]
+        if sim.api_key_env:
+            argv += ["--api-key-env", sim.api_key_env]
+        process = spawn(f"provider-{name}", argv, self.work_dir, env=self.extproc_env())
+        process.port = port
+        return process
+
+    def _start_instance(self, index: int, data: dict[str, Any]) -> Instance:
+        grpc_port, listener_port, admin_port = free_port(), free_port(), free_port()
+        config = dict(data)
+        config["redis"] = {**data.get("redis", {}), "url": self.redis_url}
+        config["server"] = {**data.get("server", {}), "listen": f"127.0.0.1:{grpc_port}"}
+        config_path = self.work_dir / f"routing-{index}.yaml"
+        config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+        extproc = spawn(
+            f"extproc-{index}",
+            [sys.executable, "-m", "extproc.cli", "serve", "--config", str(config_path)],
+            self.work_dir,
+            env=self.extproc_env(),
+        )
+        extproc.port = grpc_port
+        cluster_ports = {"extproc": grpc_port}
+        for provider in self.config.providers:
+            cluster_ports[provider.cluster] = self.providers[provider.name].port
+        bootstrap = envoy_config.render(listener_port, admin_port, cluster_ports, source=self.envoy_source)
+        envoy_path = envoy_config.write(bootstrap, self.work_dir / f"envoy-{index}.yaml")
+        wait_for_port(grpc_port, process=extproc.popen)
+        envoy = spawn(
+            f"envoy-{index}",
+            [envoy_binary(), "-c", str(envoy_path), "-l", "warning", "--concurrency", "1", "--disable-hot-restart"],
+            self.work_dir,
+        )
+        envoy.port = listener_port
+        wait_for_port(listener_port, process=envoy.popen)
+        return Instance(index, envoy, extproc, listener_port, admin_port, config_path)

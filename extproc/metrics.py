@@ -1,0 +1,20 @@
+"""Prometheus metrics of the ext_proc server (prometheus-client)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Histogram, start_http_server
+
+DECISIONS = Counter("iris_routing_decisions_total", "Requests routed, by provider and reason", ["provider", "reason"])
+REJECTIONS = Counter("iris_rejections_total", "Requests answered by the router itself, by code", ["code"])
+LEASES_LOST = Counter("iris_leases_lost_total", "Request leases reported lost (the request was cancelled)")
+DECISION_SECONDS = Histogram(
+    "iris_decision_seconds",
+    "Time to decide a request's provider (seconds), Redis round trips included",
+    buckets=(0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.1, 0.5, 2.0),
+)
+
+
+def start_metrics_server(listen: str) -> None:
+    """Serve /metrics on `listen` ("host:port") from a background thread."""
+    host, _, port = listen.rpartition(":")
+    start_http_server(int(port), addr=host or "127.0.0.1")

@@ -1,0 +1,190 @@
+"""Reading an OpenAI API request: endpoint, model, stream flag, features, and the session id.
+
+The session id is the spec's determine_session_id: a keyed hash (HMAC-BLAKE2b with a configured
+secret) of the user id, the model, the feature class and the stable prompt prefix. The stable
+prefix is what stays the same over a conversation: for chat, the system/developer messages and
+the first user message; for completions, a leading slice of the prompt; for responses, the
+instructions and the first input item. Embeddings have none, so they never form sessions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+
+class RequestError(Exception):
+    """A request that cannot be routed. Carries the HTTP status and OpenAI error fields."""
+
+    def __init__(self, status: int, message: str, code: str, error_type: str = "invalid_request_error", param: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.error_type = error_type
+        self.param = param
+
+
+ENDPOINTS = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completions",
+    "/v1/embeddings": "embeddings",
+    "/v1/responses": "responses",
+}
+
+_IMAGE_PART_TYPES = frozenset({"image_url", "input_image", "image"})
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedRequest:
+    """An OpenAI request as routing sees it. `stable_prefix` is canonical bytes, or None when the
+    request forms no session. `body` is the decoded JSON object."""
+
+    feature: str
+    model: str
+    stream: bool
+    sub_features: frozenset[str]
+    stable_prefix: bytes | None
+    body: dict[str, Any]
+
+
+def feature_for_path(path: str) -> str:
+    """The feature class served at `path` (query string ignored). Raises RequestError (404)."""
+    feature = ENDPOINTS.get(path.split("?", 1)[0].rstrip("/"))
+    if feature is None:
+        raise RequestError(404, f"unknown endpoint {path[:200]!r}", "unknown_url")
+    return feature
+
+
+def parse_request(feature: str, raw: bytes, completions_prefix_chars: int) -> ParsedRequest:
+    """Decode and check the body of a request for `feature`. Raises RequestError (400) for a body
+    that is not a JSON object (invalid JSON, not UTF-8, nested too deep) or lacks required fields."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise RequestError(400, f"request body is not valid JSON: {exc.msg}", "invalid_json") from None
+    if not isinstance(body, dict):
+        raise RequestError(400, "request body must be a JSON object", "invalid_json")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise RequestError(400, "'model' is required and must be a non-empty string", "missing_model", param="model")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise RequestError(400, "'stream' must be a boolean", "invalid_type", param="stream")
+    prefix = _STABLE_PREFIX[feature](body, completions_prefix_chars)
+    return ParsedRequest(feature, model, stream, _sub_features(body), prefix, body)
+
+
+def session_id(secret: bytes, user_id: str, request: ParsedRequest) -> str | None:
+    """The spec's determine_session_id: None when the request has no stable prompt prefix, else
+    a hex keyed hash of (user id, model, feature class, stable prefix). Without the secret a
+    client can neither compute nor guess another user's session id."""
+    if request.stable_prefix is None:
+        return None
+    mac = hmac.new(secret, digestmod=hashlib.blake2b)
+    for part in (user_id.encode(), request.model.encode(), request.feature.encode(), request.stable_prefix):
+        mac.update(len(part).to_bytes(8, "big"))
+        mac.update(part)
+    return mac.hexdigest()[:32]
+
+
+def _chat_prefix(body: dict[str, Any], _: int) -> bytes | None:
+    messages = _require_list(body, "messages")
+    stable = []
+    for message in messages:
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise RequestError(400, "each message needs a string 'role'", "invalid_type", param="messages")
+        role = message["role"]
+        if role in ("system", "developer"):
+            stable.append([role, message.get("content")])
+        elif role == "user":
+            stable.append([role, message.get("content")])
+            break
+    return _canonical(stable) if stable else None
+
+
+def _completions_prefix(body: dict[str, Any], prefix_chars: int) -> bytes | None:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        prompt = prompt[0]
+    if isinstance(prompt, list):  # token ids
+        if not all(isinstance(t, int) for t in prompt):
+            raise RequestError(400, "'prompt' must be a string, strings or token ids", "invalid_type", param="prompt")
+        return _canonical(prompt[:prefix_chars]) if prompt else None
+    if not isinstance(prompt, str):
+        raise RequestError(400, "'prompt' is required and must be a string", "invalid_type", param="prompt")
+    return prompt[:prefix_chars].encode() if prompt else None
+
+
+def _embeddings_prefix(body: dict[str, Any], _: int) -> None:
+    if not isinstance(body.get("input"), (str, list)):
+        raise RequestError(400, "'input' is required and must be a string or a list", "invalid_type", param="input")
+    return None
+
+
+def _responses_prefix(body: dict[str, Any], _: int) -> bytes | None:
+    items = body.get("input")
+    if isinstance(items, str):
+        items = [{"role": "user", "content": items}]
+    if not isinstance(items, list):
+        raise RequestError(400, "'input' is required and must be a string or a list", "invalid_type", param="input")
+    stable: list[Any] = [["instructions", body.get("instructions")]] if body.get("instructions") else []
+    for item in items:
+        if isinstance(item, dict) and item.get("role") in ("system", "developer"):
+            stable.append([item["role"], item.get("content")])
+        elif isinstance(item, dict) and item.get("role") == "user":
+            stable.append(["user", item.get("content")])
+            break
+    return _canonical(stable) if stable else None
+
+
+_STABLE_PREFIX = {
+    "chat": _chat_prefix,
+    "completions": _completions_prefix,
+    "embeddings": _embeddings_prefix,
+    "responses": _responses_prefix,
+}
+
+
+def _require_list(body: dict[str, Any], field: str) -> list[Any]:
+    value = body.get(field)
+    if not isinstance(value, list) or not value:
+        raise RequestError(400, f"'{field}' is required and must be a non-empty list", "invalid_type", param=field)
+    return value
+
+
+def _canonical(value: Any) -> bytes:
+    try:
+        return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
+    except TypeError:
+        raise RequestError(400, "request holds a value that cannot be read", "invalid_type") from None
+
+
+def _sub_features(body: dict[str, Any]) -> frozenset[str]:
+    found = set()
+    if body.get("tools") or body.get("functions"):
+        found.add("tools")
+    response_format = body.get("response_format")
+    text_format = body.get("text", {}).get("format") if isinstance(body.get("text"), dict) else None
+    for fmt in (response_format, text_format):
+        if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
+            found.add("json_schema")
+    if _has_image(body.get("messages")) or _has_image(body.get("input")):
+        found.add("vision")
+    return frozenset(found)
+
+
+def _has_image(items: Any) -> bool:
+    if not isinstance(items, list):
+        return False
+    for item in items:
+        content = item.get("content") if isinstance(item, dict) else None
+        if isinstance(content, list):
+            for part in content:
+                if isinstance(part, dict) and part.get("type") in _IMAGE_PART_TYPES:
+                    return True
+    return False

@@ -1,0 +1,297 @@
+"""The ext_proc gRPC server: envoy.service.ext_proc.v3.ExternalProcessor/Process.
+
+One gRPC stream per HTTP request. Phases, in the order Envoy sends them (see envoy/envoy.yaml):
+request headers (path, method, user id) -> request body, BUFFERED (parse, decide, route by
+setting the routing header with clear_route_cache) -> response headers (record `:status`) ->
+response trailers -> stream end, when the lease is released, refreshing the pin only after a 2xx.
+
+The stream end reaches a grpc.aio handler as the end of reads or as a cancellation; a
+done-callback on the call catches any other way. Release is idempotent, so whichever comes first
+wins. A lease reported lost ends the stream with an error; Envoy, failing closed, then resets the
+HTTP stream: that is how the spec's "cancel the request" reaches the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+
+import grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
+from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingRequest, ProcessingResponse
+from redis.exceptions import RedisError
+
+from extproc import envoy_messages as msg
+from extproc import metrics
+from extproc.config import Config
+from extproc.degraded import DegradedFlags
+from extproc.leases import LeaseHolder
+from extproc.openai_request import RequestError, feature_for_path, parse_request, session_id
+from extproc.routing import Decision, Rejection, RejectionKind, Router, RoutingRequest
+from extproc.state import RoutingState, connect
+
+log = logging.getLogger(__name__)
+
+GRPC_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+class SecretMissing(RuntimeError):
+    """The session secret's environment variable is not set."""
+
+
+def session_secret(config: Config) -> bytes:
+    """The key of the session-id hash, from the environment variable the config names. Raises
+    SecretMissing: every proxy instance must share the same secret, so none is invented."""
+    value = os.environ.get(config.session.secret_env)
+    if not value:
+        raise SecretMissing(f"set {config.session.secret_env} to the session secret shared by every proxy instance")
+    return value.encode()
+
+
+@dataclass
+class StreamState:
+    """What one gRPC stream (one HTTP request) has learned so far."""
+
+    path: str = ""
+    method: str = ""
+    user_id: str = ""
+    holder: LeaseHolder | None = None
+    decision: Decision | None = None
+    status: int | None = None
+    lease_lost: asyncio.Event = field(default_factory=asyncio.Event)
+    started: float = field(default_factory=time.monotonic)
+
+
+class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
+    """The stream loop: knows Envoy's phases, delegates parsing to openai_request and decisions
+    to routing."""
+
+    def __init__(self, config: Config, router: Router, state: RoutingState, secret: bytes):
+        self.config = config
+        self.router = router
+        self.state = state
+        self.secret = secret
+        self.models = frozenset(config.models())
+        self._releases: set[asyncio.Task] = set()
+        self._routing_header = config.server.routing_header
+
+    async def Process(self, request_iterator, context: grpc.aio.ServicerContext) -> None:  # noqa: N802 (gRPC name)
+        stream = StreamState()
+        context.add_done_callback(lambda _: self._end_stream(stream))
+        try:
+            while True:
+                request = await self._next_message(context, stream)
+                if request is None:
+                    break
+                response = await self._handle(stream, request)
+                if response is not None:
+                    await context.write(response)
+                    if response.HasField("immediate_response"):
+                        break
+        finally:
+            self._end_stream(stream)
+        if stream.lease_lost.is_set():
+            await context.abort(grpc.StatusCode.ABORTED, "request lease lost: the request is cancelled")
+
+    async def wait_for_releases(self) -> None:
+        """Wait until every release started so far has reached Redis (for a clean shutdown)."""
+        if self._releases:
+            await asyncio.gather(*list(self._releases), return_exceptions=True)
+
+    async def _next_message(self, context, stream: StreamState) -> ProcessingRequest | None:
+        """The next message, or None at the end of the stream or when the lease was lost."""
+        read = asyncio.ensure_future(context.read())
+        if stream.holder is None:
+            message = await read
+        else:
+            lost = asyncio.ensure_future(stream.lease_lost.wait())
+            try:
+                done, _ = await asyncio.wait((read, lost), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                lost.cancel()
+            if read not in done:
+                read.cancel()
+                return None
+            message = read.result()
+        return None if message is grpc.aio.EOF else message
+
+    async def _handle(self, stream: StreamState, request: ProcessingRequest) -> ProcessingResponse | None:
+        phase = request.WhichOneof("request")
+        if phase == "request_headers":
+            return self._on_request_headers(stream, request)
+        if phase == "request_body":
+            return await self._on_request_body(stream, request)
+        if phase == "response_headers":
+            return self._on_response_headers(stream, request)
+        if phase == "response_trailers":
+            return msg.continue_response_trailers()
+        if phase == "response_body":
+            return msg.continue_response_body()
+        if phase == "request_trailers":
+            return msg.continue_request_trailers()
+        return None
+
+    def _on_request_headers(self, stream: StreamState, request: ProcessingRequest) -> ProcessingResponse:
+        headers = msg.header_map(request.request_headers)
+        stream.path = headers.get(":path", "")
+        stream.method = headers.get(":method", "")
+        stream.user_id = headers.get(self.config.session.user_id_header.lower(), "")
+        try:
+            feature_for_path(stream.path)
+            if stream.method != "POST":
+                raise RequestError(405, f"method {stream.method[:20]!r} is not allowed here: use POST", "method_not_allowed")
+            if request.request_headers.end_of_stream:
+                raise RequestError(400, "a request body is required", "missing_body")
+            if int(headers.get("content-length") or 0) > self.config.server.max_body_bytes:
+                raise self._too_large()
+        except RequestError as exc:
+            return self._reject_request(exc)
+        except ValueError:
+            return self._reject_request(RequestError(400, "invalid content-length", "invalid_header"))
+        return msg.continue_request_headers(remove=[self._routing_header])
+
+    async def _on_request_body(self, stream: StreamState, request: ProcessingRequest) -> ProcessingResponse:
+        body = request.request_body.body
+        try:
+            if len(body) > self.config.server.max_body_bytes:
+                raise self._too_large()
+            parsed = parse_request(feature_for_path(stream.path), body, self.config.session.completions_prefix_chars)
+            if parsed.model not in self.models:
+                raise RequestError(404, f"the model '{parsed.model[:200]}' does not exist", "model_not_found", param="model")
+        except RequestError as exc:
+            return self._reject_request(exc)
+        routing_request = RoutingRequest(
+            parsed.model, parsed.feature, parsed.sub_features, session_id(self.secret, stream.user_id, parsed)
+        )
+        outcome = await self._decide(routing_request)
+        if isinstance(outcome, ProcessingResponse):
+            return outcome
+        if isinstance(outcome, Rejection):
+            return self._reject_routing(outcome, parsed.model)
+        stream.decision = outcome
+        stream.holder = LeaseHolder(self.state, outcome, self.config.lease_timeout_seconds, stream.lease_lost.set)
+        stream.holder.start()
+        metrics.DECISIONS.labels(outcome.provider.name, outcome.reason.value).inc()
+        return msg.route_to_cluster(self._routing_header, outcome.provider.cluster)
+
+    async def _decide(self, request: RoutingRequest) -> Decision | Rejection | ProcessingResponse:
+        started = time.perf_counter()
+        try:
+            return await asyncio.wait_for(
+                self.router.execute_request(request), timeout=self.config.server.decision_timeout_seconds
+            )
+        except (RedisError, asyncio.TimeoutError) as exc:
+            log.warning("routing state unreachable: %s", type(exc).__name__)
+            metrics.REJECTIONS.labels("redis_unavailable").inc()
+            return msg.immediate_json(
+                503,
+                msg.openai_error_body("the routing service is temporarily unavailable", "service_unavailable", "routing_unavailable"),
+                {"retry-after": str(self.config.server.retry_after_seconds)},
+            )
+        finally:
+            metrics.DECISION_SECONDS.observe(time.perf_counter() - started)
+
+    def _on_response_headers(self, stream: StreamState, request: ProcessingRequest) -> ProcessingResponse:
+        headers = msg.header_map(request.response_headers)
+        try:
+            stream.status = int(headers.get(":status", "0"))
+        except ValueError:
+            stream.status = 0
+        extra = None
+        if self.config.server.expose_routing_headers and stream.decision is not None:
+            extra = {"x-iris-provider": stream.decision.provider.name, "x-iris-route-reason": stream.decision.reason.value}
+        return msg.continue_response_headers(extra)
+
+    def _end_stream(self, stream: StreamState) -> None:
+        """Release the stream's lease once, whichever way the stream ended."""
+        holder, stream.holder = stream.holder, None
+        if holder is None:
+            return
+        succeeded = stream.status is not None and 200 <= stream.status < 300
+        task = asyncio.get_running_loop().create_task(holder.finish(succeeded))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+        if holder.lost:
+            metrics.LEASES_LOST.inc()
+
+    def _too_large(self) -> RequestError:
+        limit = self.config.server.max_body_bytes
+        return RequestError(413, f"request body is larger than {limit} bytes", "request_too_large")
+
+    def _reject_request(self, exc: RequestError) -> ProcessingResponse:
+        metrics.REJECTIONS.labels(exc.code).inc()
+        return msg.immediate_json(exc.status, msg.openai_error_body(exc.message, exc.error_type, exc.code, exc.param))
+
+    def _reject_routing(self, rejection: Rejection, model: str) -> ProcessingResponse:
+        metrics.REJECTIONS.labels(rejection.kind.value).inc()
+        if rejection.kind is RejectionKind.UNSUPPORTED:
+            body = msg.openai_error_body(rejection.message, "invalid_request_error", "unsupported_feature")
+            return msg.immediate_json(400, body)
+        headers = {"retry-after": str(self.config.server.retry_after_seconds)}
+        if rejection.kind is RejectionKind.CAPACITY:
+            body = msg.openai_error_body(rejection.message, "rate_limit_error", "capacity_exceeded")
+            return msg.immediate_json(429, body, headers)
+        body = msg.openai_error_body(rejection.message, "service_unavailable", "no_provider_available")
+        return msg.immediate_json(503, body, headers)
+
+
+class Gateway:
+    """The running server: gRPC, the Redis client, and background tasks. Use `serve()`."""
+
+    def __init__(self, config: Config, secret: bytes):
+        self.config = config
+        self.redis = connect(config.redis.url, config.redis.socket_timeout_seconds, config.redis.max_connections)
+        self.state = RoutingState(self.redis, config)
+        self.degraded = DegradedFlags(self.redis, config)
+        self.router = Router(config, self.state, self.degraded)
+        self.processor = ExternalProcessor(config, self.router, self.state, secret)
+        self.server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", GRPC_MAX_MESSAGE_BYTES),
+            ]
+        )
+        ext_proc_grpc.add_ExternalProcessorServicer_to_server(self.processor, self.server)
+        self.port = self.server.add_insecure_port(config.server.listen)
+        self._background: list[asyncio.Task] = []
+
+    async def start(self) -> None:
+        """Load scripts and flags when Redis is there (it may come later), start serving."""
+        try:
+            await self.state.load_scripts()
+            await self.degraded.refresh()
+        except RedisError as exc:
+            log.warning("redis not reachable at start-up, continuing: %s", exc)
+        self._background.append(
+            asyncio.create_task(self.degraded.run_refresher(self.config.server.degraded_refresh_seconds))
+        )
+        await self.server.start()
+        log.info("ext_proc server listening on %s", self.config.server.listen)
+
+    async def drain(self) -> None:
+        """Stop taking new streams, let open ones finish within the grace period, release what
+        is left, close Redis."""
+        log.info("draining: up to %s s for open streams", self.config.server.drain_grace_seconds)
+        await self.server.stop(self.config.server.drain_grace_seconds)
+        await self.processor.wait_for_releases()
+        for task in self._background:
+            task.cancel()
+        await self.redis.aclose()
+
+
+async def serve(config: Config) -> None:
+    """Run the ext_proc server until SIGTERM or SIGINT, then drain and return."""
+    gateway = Gateway(config, session_secret(config))
+    await gateway.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    if config.server.metrics_listen:
+        metrics.start_metrics_server(config.server.metrics_listen)
+    await stop.wait()
+    await gateway.drain()
