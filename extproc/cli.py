@@ -79,15 +79,16 @@ def _serve(args) -> int:
 def _up(args) -> int:
     import yaml
 
-    from extproc.local_gateway import LocalGateway
+    from extproc.local_gateway import LocalGateway, ProviderSimulation
 
     data = yaml.safe_load(open(args.config)) if args.config else None
-    with LocalGateway(config_data=data) as gateway:
+    simulation = ProviderSimulation(ttft_ms=30, per_token_ms=10, block_tokens=16)
+    with LocalGateway(config_data=data, default_simulation=simulation) as gateway:
         print(f"gateway up: {gateway.url}/v1  (Redis {gateway.redis_url}, logs in {gateway.work_dir})", flush=True)
         if args.demo:
-            from extproc.demo import run_conversation
+            from extproc.demo import run_demo
 
-            run_conversation(gateway.url)
+            run_demo(gateway.url, str(gateway.running[0].config_path))
             if args.exit_after_demo:
                 return 0
         print("press Ctrl-C to stop", flush=True)

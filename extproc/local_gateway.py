@@ -57,12 +57,14 @@ class LocalGateway:
     """Starts and stops a local gateway. Use as a context manager or call start()/stop().
 
     `config_data`: routing configuration as a dict (default: envoy/example-config.yaml); its
-    redis URL, key prefix and listen address are overwritten. `simulations`: per provider name.
+    redis URL and listen address are overwritten. `simulations`: per provider name, else
+    `default_simulation`.
     `env`: extra environment for the ext_proc servers (for example provider API keys)."""
 
     config_data: dict[str, Any] | None = None
     instances: int = 1
     simulations: dict[str, ProviderSimulation] = field(default_factory=dict)
+    default_simulation: ProviderSimulation = field(default_factory=ProviderSimulation)
     work_dir: Path | None = None
     redis_url: str | None = None
     env: dict[str, str] = field(default_factory=dict)
@@ -124,7 +126,7 @@ class LocalGateway:
         return {**os.environ, "IRIS_SESSION_SECRET": self.secret, **self.env}
 
     def _start_simulator(self, name: str) -> ManagedProcess:
-        sim = self.simulations.get(name, ProviderSimulation())
+        sim = self.simulations.get(name, self.default_simulation)
         port = free_port()
         argv = [
             sys.executable, "-m", "extproc.simulator", "--name", name, "--port", str(port),

@@ -1,0 +1,62 @@
+"""envoy.yaml, the example routing config, compose.yaml and the Dockerfile agree with each other.
+No Docker engine runs here, so compose.yaml is checked by reading it."""
+
+from __future__ import annotations
+
+import subprocess
+
+import yaml
+
+from extproc import envoy_config
+from extproc.config import load_config
+from extproc.processes import envoy_binary
+from tests.conftest import ROOT
+
+ENVOY = ROOT / "envoy" / "envoy.yaml"
+EXAMPLE = ROOT / "envoy" / "example-config.yaml"
+
+
+def test_envoy_yaml_is_valid_for_the_shipped_envoy():
+    result = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(ENVOY)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_example_config_names_the_clusters_of_envoy_yaml():
+    config = load_config(EXAMPLE)
+    bootstrap = envoy_config.load_envoy_yaml(ENVOY)
+    clusters = set(envoy_config.cluster_names(bootstrap))
+    assert {p.cluster for p in config.providers} == clusters - {"extproc"}
+    host, port = config.server.listen.rsplit(":", 1)
+    assert envoy_config.cluster_port(bootstrap, "extproc") == int(port)
+
+
+def test_routing_header_agrees_everywhere():
+    config = load_config(EXAMPLE)
+    text = ENVOY.read_text()
+    header = config.server.routing_header
+    assert f"remove: {header}" in text
+    assert f"cluster_header: {header}" in text
+    assert f"request_headers_to_remove: [{header}]" in text
+
+
+def test_compose_runs_the_same_files_and_ports():
+    compose = yaml.safe_load((ROOT / "compose.yaml").read_text())
+    services = compose["services"]
+    bootstrap = envoy_config.load_envoy_yaml(ENVOY)
+    assert "./envoy/envoy.yaml:/etc/envoy/envoy.yaml:ro" in services["envoy"]["volumes"]
+    assert services["envoy"]["image"].startswith("envoyproxy/envoy:v1.40")
+    assert "./envoy/example-config.yaml:/etc/iris/routing.yaml:ro" in services["extproc"]["volumes"]
+    assert all(s.get("network_mode") == "host" for s in services.values())
+    config = load_config(EXAMPLE)
+    for provider in config.providers:
+        command = services[provider.name]["command"]
+        port = int(command[command.index("--port") + 1])
+        assert port == envoy_config.cluster_port(bootstrap, provider.cluster)
+    redis_command = services["redis"]["command"]
+    assert redis_command[redis_command.index("--port") + 1] == config.redis.url.rsplit(":", 1)[1].split("/")[0]
+    assert (ROOT / "Dockerfile").exists()
+
+
+def test_admin_interface_listens_on_loopback_only():
+    bootstrap = envoy_config.load_envoy_yaml(ENVOY)
+    assert bootstrap["admin"]["address"]["socket_address"]["address"] == "127.0.0.1"
