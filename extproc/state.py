@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -188,11 +189,16 @@ class RoutingState:
     `now_ms` arguments are test-only. Raises redis.exceptions.RedisError on connection problems.
     """
 
-    def __init__(self, redis: Redis, config: Config):
+    def __init__(self, redis: Redis, config: Config, *, sources: Mapping[str, str] | None = None):
+        """`sources` (test-only) replaces the source of named scripts, for example with a
+        deliberately broken one in a mutation check."""
         self.redis = redis
         self.config = config
         self.keys = Keyspace(config.redis.key_prefix)
-        self._scripts = {name: redis.register_script(script_source(name)) for name in SCRIPT_NAMES}
+        sources = sources or {}
+        self._scripts = {
+            name: redis.register_script(sources.get(name) or script_source(name)) for name in SCRIPT_NAMES
+        }
         self._timing = [
             round(config.pin_inactivity_timeout_seconds * 1000),
             round(config.lease_timeout_seconds * 1000),
