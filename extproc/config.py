@@ -13,7 +13,7 @@ import enum
 import os
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -87,6 +87,9 @@ class RedisSettings(_Strict):
     socket_timeout_seconds: float = Field(default=0.5, gt=0)
     max_connections: int = Field(default=64, gt=0)
     housekeeping_grace_seconds: float = Field(default=60.0, ge=0)
+    outage_policy: Literal["degrade", "fail_closed"] = "degrade"
+    probe_interval_seconds: float = Field(default=0.5, gt=0)
+    instance_heartbeat_seconds: float = Field(default=1.0, gt=0)
 
 
 class SessionSettings(_Strict):

@@ -94,9 +94,10 @@ def openai_error_body(message: str, error_type: str, code: str, param: str | Non
     return orjson.dumps({"error": {"message": message, "type": error_type, "param": param, "code": code}})
 
 
-def immediate_json(status: int, body: bytes, headers: dict[str, str] | None = None, details: str = "") -> ProcessingResponse:
+def immediate_json(status: int, body: bytes, headers: dict[str, str] | None = None, details: str = "iris_extproc") -> ProcessingResponse:
     """An ImmediateResponse: Envoy answers the client with `status` and the JSON `body` without
-    going upstream."""
+    going upstream. `details` (Envoy's response code details) must start with "iris_": envoy.yaml's
+    local_reply_config leaves such replies untouched."""
     all_headers = {"content-type": "application/json", **(headers or {})}
     return ProcessingResponse(
         immediate_response=ImmediateResponse(

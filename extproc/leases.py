@@ -15,7 +15,7 @@ from collections.abc import Callable
 from redis.exceptions import RedisError
 
 from extproc.routing import Decision
-from extproc.state import Result, RoutingState
+from extproc.state import Lease, Result, RoutingState
 
 log = logging.getLogger(__name__)
 
@@ -28,14 +28,31 @@ class LeaseHolder:
     expired. A single failed renewal is survived: with renewals every timeout/3, two may fail.
     `finish(succeeded)` stops renewal and releases; it is idempotent and safe to call from any of
     the ways a stream can end. A decision without a lease holds nothing.
+
+    A local decision (made during a Redis outage) holds a lease in this process: `release_local`
+    gives it back and answers False once the lease was adopted into Redis; only then is it
+    renewed and released there.
     """
 
-    def __init__(self, state: RoutingState, decision: Decision, lease_timeout_seconds: float, on_lost: Callable[[], None]):
+    release_retry_seconds = 0.5
+
+    def __init__(
+        self,
+        state: RoutingState,
+        decision: Decision,
+        lease_timeout_seconds: float,
+        on_lost: Callable[[], None],
+        release_local: Callable[[Lease], bool] | None = None,
+        is_adopted: Callable[[Lease], bool] | None = None,
+    ):
         self.state = state
         self.decision = decision
         self._timeout = lease_timeout_seconds
         self._on_lost = on_lost
+        self._release_local = release_local
+        self._is_adopted = is_adopted
         self._renewal: asyncio.Task | None = None
+        self._expires_at = time.monotonic() + lease_timeout_seconds  # the caller's clock
         self._finished = False
         self.lost = False
 
@@ -56,23 +73,30 @@ class LeaseHolder:
         lease = self.decision.lease
         if lease is None:
             return None
+        if self.decision.local and self._release_local is not None and self._release_local(lease):
+            return Result.RELEASED
         refresh = self.decision.refresh_pin_on_success and succeeded and not self.lost
-        try:
-            update = await self.state.release_request_lease(lease, refresh_pin=refresh)
-        except RedisError as exc:
-            log.warning("lease %s not released (it expires within %s s): %s", lease.id, self._timeout, exc)
-            return None
-        return update.result
+        while True:
+            try:
+                return (await self.state.release_request_lease(lease, refresh_pin=refresh)).result
+            except RedisError as exc:
+                if time.monotonic() + self.release_retry_seconds >= self._expires_at:
+                    log.warning("lease %s not released, it expires by itself: %s", lease.id, exc)
+                    return None
+            await asyncio.sleep(self.release_retry_seconds)
 
     async def _renew_forever(self) -> None:
         interval = self._timeout / 3
-        expires_at = time.monotonic() + self._timeout
         while True:
             await asyncio.sleep(interval)
+            if self.decision.local and not (self._is_adopted and self._is_adopted(self.decision.lease)):
+                self._expires_at = time.monotonic() + self._timeout
+                continue
+            renewed_at = time.monotonic()
             try:
                 update = await self.state.renew_request_lease(self.decision.lease)
             except RedisError as exc:
-                if time.monotonic() + interval < expires_at:
+                if time.monotonic() + interval < self._expires_at:
                     log.warning("lease renewal failed, retrying: %s", exc)
                     continue
                 log.warning("lease renewals failed until expiry: %s", exc)
@@ -81,7 +105,7 @@ class LeaseHolder:
             if update.result is Result.LEASE_LOST:
                 self._report_lost()
                 return
-            expires_at = time.monotonic() + self._timeout
+            self._expires_at = renewed_at + self._timeout
 
     def _report_lost(self) -> None:
         self.lost = True

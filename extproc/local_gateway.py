@@ -122,6 +122,14 @@ class LocalGateway:
             self.redis.stop()
         self.running.clear()
 
+    def stop_redis(self) -> None:
+        """Stop the gateway's Redis (an outage). Its state is gone: it runs without persistence."""
+        self.redis.stop()
+
+    def start_redis_again(self) -> None:
+        """Start a new, empty Redis on the same port (a restart without persistence)."""
+        self.redis = start_redis(self.work_dir / "redis", port=self.redis.port)
+
     def extproc_env(self) -> dict[str, str]:
         return {**os.environ, "IRIS_SESSION_SECRET": self.secret, **self.env}
 

@@ -6,6 +6,7 @@ from prometheus_client import Counter, Histogram, start_http_server
 
 DECISIONS = Counter("iris_routing_decisions_total", "Requests routed, by provider and reason", ["provider", "reason"])
 REJECTIONS = Counter("iris_rejections_total", "Requests answered by the router itself, by code", ["code"])
+OUTAGE_DECISIONS = Counter("iris_outage_decisions_total", "Requests routed without Redis under the degrade policy")
 LEASES_LOST = Counter("iris_leases_lost_total", "Request leases reported lost (the request was cancelled)")
 DECISION_SECONDS = Histogram(
     "iris_decision_seconds",

@@ -42,13 +42,15 @@ class Reason(str, enum.Enum):
 class Decision:
     """Where a request goes. `lease` is None only for a temporary request on a pair without
     limits (the spec: no lease is needed there). `refresh_pin_on_success` tells the release
-    whether a successful response restarts the pin's inactivity deadline."""
+    whether a successful response restarts the pin's inactivity deadline. `local`: decided
+    without Redis during an outage (extproc.outage), the lease is held in this process."""
 
     provider: Provider
     reason: Reason
     lease: Lease | None
     pin: Pin | None
     refresh_pin_on_success: bool
+    local: bool = False
 
 
 class RejectionKind(str, enum.Enum):
@@ -107,7 +109,7 @@ class Router:
         return await self.execute_temporary_fallback(request, excluded_provider=None)
 
     async def execute_not_yet_pinned_request(self, request: RoutingRequest) -> Outcome | _Retry:
-        for provider in self._eligible(request):
+        for provider in self.eligible(request):
             admission = await self.state.try_admit_unpinned_session_request(
                 provider.name, request.model, request.session_id
             )
@@ -141,7 +143,7 @@ class Router:
     async def try_repin_to_other_provider_and_retry_execute(
         self, request: RoutingRequest, current_pin: Pin
     ) -> Outcome | _Retry:
-        for provider in self._eligible(request):
+        for provider in self.eligible(request):
             if provider.name == current_pin.provider:
                 continue
             cas = await self.state.try_compare_and_swap_pin_and_admit_request(
@@ -160,7 +162,7 @@ class Router:
         self, request: RoutingRequest, excluded_provider: Provider | None
     ) -> Outcome:
         reason = Reason.UNPINNED if excluded_provider is None else Reason.OFFLOADED
-        for provider in self._eligible(request):
+        for provider in self.eligible(request):
             if provider is excluded_provider:
                 continue
             if self.provider_has_configured_limits(provider, request.model):
@@ -202,7 +204,7 @@ class Router:
     def _fits(self, provider: Provider, request: RoutingRequest) -> bool:
         return self._supports(provider, request) and not self.provider_is_degraded(provider, request.model)
 
-    def _eligible(self, request: RoutingRequest) -> list[Provider]:
+    def eligible(self, request: RoutingRequest) -> list[Provider]:
         """Providers in priority order that support the request and are not degraded."""
         return [p for p in self._providers if self._fits(p, request)]
 

@@ -30,6 +30,7 @@ from extproc import metrics
 from extproc.config import Config
 from extproc.degraded import DegradedFlags
 from extproc.leases import LeaseHolder
+from extproc.outage import InstanceRegistry, OutageRouter, RedisBreaker
 from extproc.openai_request import RequestError, feature_for_path, parse_request, session_id
 from extproc.routing import Decision, Rejection, RejectionKind, Router, RoutingRequest
 from extproc.state import RoutingState, connect
@@ -70,11 +71,21 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
     """The stream loop: knows Envoy's phases, delegates parsing to openai_request and decisions
     to routing."""
 
-    def __init__(self, config: Config, router: Router, state: RoutingState, secret: bytes):
+    def __init__(
+        self,
+        config: Config,
+        router: Router,
+        state: RoutingState,
+        secret: bytes,
+        outage: OutageRouter,
+        breaker: RedisBreaker,
+    ):
         self.config = config
         self.router = router
         self.state = state
         self.secret = secret
+        self.outage = outage
+        self.breaker = breaker
         self.models = frozenset(config.models())
         self._releases: set[asyncio.Task] = set()
         self._routing_header = config.server.routing_header
@@ -173,7 +184,14 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
         if isinstance(outcome, Rejection):
             return self._reject_routing(outcome, parsed.model)
         stream.decision = outcome
-        stream.holder = LeaseHolder(self.state, outcome, self.config.lease_timeout_seconds, stream.lease_lost.set)
+        stream.holder = LeaseHolder(
+            self.state,
+            outcome,
+            self.config.lease_timeout_seconds,
+            stream.lease_lost.set,
+            release_local=self.outage.release,
+            is_adopted=self.outage.is_adopted,
+        )
         stream.holder.start()
         metrics.DECISIONS.labels(outcome.provider.name, outcome.reason.value).inc()
         return msg.route_to_cluster(self._routing_header, outcome.provider.cluster)
@@ -181,19 +199,28 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
     async def _decide(self, request: RoutingRequest) -> Decision | Rejection | ProcessingResponse:
         started = time.perf_counter()
         try:
+            if self.breaker.is_open:
+                return self._decide_during_outage(request)
             return await asyncio.wait_for(
                 self.router.execute_request(request), timeout=self.config.server.decision_timeout_seconds
             )
         except (RedisError, asyncio.TimeoutError) as exc:
-            log.warning("routing state unreachable: %s", type(exc).__name__)
-            metrics.REJECTIONS.labels("redis_unavailable").inc()
-            return msg.immediate_json(
-                503,
-                msg.openai_error_body("the routing service is temporarily unavailable", "service_unavailable", "routing_unavailable"),
-                {"retry-after": str(self.config.server.retry_after_seconds)},
-            )
+            self.breaker.trip(exc)
+            return self._decide_during_outage(request)
         finally:
             metrics.DECISION_SECONDS.observe(time.perf_counter() - started)
+
+    def _decide_during_outage(self, request: RoutingRequest) -> Decision | Rejection | ProcessingResponse:
+        """The configured outage policy (README: "When Redis is gone")."""
+        if self.config.redis.outage_policy == "degrade":
+            metrics.OUTAGE_DECISIONS.inc()
+            return self.outage.decide(request)
+        metrics.REJECTIONS.labels("routing_unavailable").inc()
+        return msg.immediate_json(
+            503,
+            msg.openai_error_body("the routing service is temporarily unavailable", "service_unavailable", "routing_unavailable"),
+            {"retry-after": str(self.config.server.retry_after_seconds)},
+        )
 
     def _on_response_headers(self, stream: StreamState, request: ProcessingRequest) -> ProcessingResponse:
         headers = msg.header_map(request.response_headers)
@@ -248,7 +275,10 @@ class Gateway:
         self.state = RoutingState(self.redis, config)
         self.degraded = DegradedFlags(self.redis, config)
         self.router = Router(config, self.state, self.degraded)
-        self.processor = ExternalProcessor(config, self.router, self.state, secret)
+        self.registry = InstanceRegistry(self.redis, config.redis.key_prefix, ttl_seconds=config.redis.instance_heartbeat_seconds * 5)
+        self.breaker = RedisBreaker(self.redis)
+        self.outage = OutageRouter(config, self.router, self.registry)
+        self.processor = ExternalProcessor(config, self.router, self.state, secret, self.outage, self.breaker)
         self.server = grpc.aio.server(
             options=[
                 ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE_BYTES),
@@ -266,11 +296,37 @@ class Gateway:
             await self.degraded.refresh()
         except RedisError as exc:
             log.warning("redis not reachable at start-up, continuing: %s", exc)
-        self._background.append(
-            asyncio.create_task(self.degraded.run_refresher(self.config.server.degraded_refresh_seconds))
-        )
+        self._background += [
+            asyncio.create_task(self.degraded.run_refresher(self.config.server.degraded_refresh_seconds)),
+            asyncio.create_task(self._heartbeat_forever()),
+            asyncio.create_task(self._probe_forever()),
+        ]
         await self.server.start()
         log.info("ext_proc server listening on %s", self.config.server.listen)
+
+    async def _heartbeat_forever(self) -> None:
+        """Keep this instance registered, so every instance knows the live count."""
+        while True:
+            try:
+                await self.registry.heartbeat()
+            except RedisError as exc:
+                self.breaker.trip(exc)
+            await asyncio.sleep(self.config.redis.instance_heartbeat_seconds)
+
+    async def _probe_forever(self) -> None:
+        """While the breaker is open, probe Redis; when it answers, adopt the local leases and
+        let shared routing resume (scripts reload by themselves on NOSCRIPT)."""
+        while True:
+            await asyncio.sleep(self.config.redis.probe_interval_seconds)
+            if not self.breaker.is_open or not await self.breaker.probe():
+                continue
+            try:
+                adopted = await self.outage.adopt_running_leases(self.state)
+                await self.degraded.refresh()
+            except RedisError:
+                continue
+            self.breaker.close()
+            log.info("shared routing resumed; %d local leases adopted into Redis", adopted)
 
     async def drain(self) -> None:
         """Stop taking new streams, let open ones finish within the grace period, release what
@@ -280,6 +336,10 @@ class Gateway:
         await self.processor.wait_for_releases()
         for task in self._background:
             task.cancel()
+        try:
+            await self.registry.leave()
+        except RedisError:
+            pass
         await self.redis.aclose()
 
 

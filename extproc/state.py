@@ -18,6 +18,9 @@ from importlib import resources
 from pathlib import Path
 
 from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError
 
 from extproc.config import Config, Provider
 
@@ -142,13 +145,18 @@ class Keyspace:
 def connect(url: str, timeout_seconds: float = 0.5, max_connections: int = 64) -> Redis:
     """An asyncio Redis client whose pool waits (up to `timeout_seconds`, seconds) for a free
     connection instead of failing when `max_connections` are busy. Commands time out after
-    `timeout_seconds` too, so a dead Redis costs a request at most that long per round trip."""
+    `timeout_seconds` too, so a dead Redis costs a request at most that long per round trip.
+
+    A command that meets a broken connection (a pooled connection to a Redis that restarted) is
+    retried once on a new one: every script is idempotent (admissions replay by lease id)."""
     pool = BlockingConnectionPool.from_url(
         url,
         max_connections=max_connections,
         timeout=timeout_seconds,
         socket_timeout=timeout_seconds,
         socket_connect_timeout=timeout_seconds,
+        retry=Retry(NoBackoff(), retries=1),
+        retry_on_error=[ConnectionError],
     )
     return Redis(connection_pool=pool)
 
@@ -161,6 +169,7 @@ SCRIPT_NAMES = (
     "admit_without_pin",
     "renew",
     "release",
+    "adopt",
 )
 
 
@@ -264,6 +273,12 @@ class RoutingState:
         """Admit a temporary request (no pin) on a pair with limits; reserved slots not allowed."""
         reply = await self._call("admit_without_pin", model, "", [provider, lease_id or new_id()], now_ms)
         return _decode(model, None, reply, provider)
+
+    async def adopt_request_lease(self, lease: Lease, *, now_ms: int | None = None) -> Admission:
+        """Record a temporary lease granted while Redis was unreachable, without a capacity check
+        (its request already runs): from now on it counts, renews and releases like any lease."""
+        reply = await self._call("adopt", lease.model, "", [lease.provider, lease.id], now_ms)
+        return _decode(lease.model, None, reply, lease.provider)
 
     async def renew_request_lease(self, lease: Lease, *, now_ms: int | None = None) -> LeaseUpdate:
         """Extend a live lease by the lease timeout: RENEWED, or LEASE_LOST if it had expired."""

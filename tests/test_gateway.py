@@ -169,6 +169,14 @@ def test_oversized_body_gets_413(gw):
     assert live_leases(redis_client(gw)) == 0
 
 
+def test_body_over_envoys_buffer_gets_envoys_413_as_openai_json(gw):
+    huge = b'{"model": "llama-3.1-70b", "prompt": "' + b"a" * (40 * 1024 * 1024) + b'"}'
+    response = post(gw, "/v1/completions", content=huge, headers={"content-type": "application/json"})
+    assert response.status_code == 413
+    assert response.headers["content-type"] == "application/json"
+    assert response.json()["error"]["code"] == "request_too_large"
+
+
 def test_ten_megabyte_prompt_passes(gw):
     words = " ".join(["w"] * (5 * 1024 * 1024))  # 10 MiB of text
     response = post(gw, "/v1/chat/completions", json=chat_body(words))
