@@ -93,14 +93,21 @@ class Router:
 
     async def execute_request(self, request: RoutingRequest) -> Outcome:
         """Decide where `request` goes: the spec's execute_request, with its retry loop."""
+        if not any(self._supports(p, request) for p in self._providers):
+            # Every path of the spec ends in this rejection; no need to ask Redis first.
+            return self.reject_request_as_unsupported_or_unavailable(request)
         if request.session_id is None:
             return await self.execute_request_without_pinning(request)
-        for _ in range(self.config.max_routing_attempts):
-            pin = await self.state.get_pin(request.model, request.session_id)
-            if pin is None:
-                outcome = await self.execute_not_yet_pinned_request(request)
+        for attempt in range(self.config.max_routing_attempts):
+            if attempt == 0:  # get_pin fused with the admission the spec tries next: one round trip
+                eligible = [p.name for p in self.eligible(request)]
+                pin, admission = await self.state.get_pin_and_try_admit(request.model, request.session_id, eligible)
             else:
-                outcome = await self.execute_pinned_request(request, pin)
+                pin, admission = await self.state.get_pin(request.model, request.session_id), None
+            if pin is None:
+                outcome = await self.execute_not_yet_pinned_request(request, admission)
+            else:
+                outcome = await self.execute_pinned_request(request, pin, admission)
             if outcome is not RETRY_ROUTING:
                 return outcome
         return Rejection(RejectionKind.UNAVAILABLE, "routing did not settle: the session's pin kept changing")
@@ -108,23 +115,33 @@ class Router:
     async def execute_request_without_pinning(self, request: RoutingRequest) -> Outcome:
         return await self.execute_temporary_fallback(request, excluded_provider=None)
 
-    async def execute_not_yet_pinned_request(self, request: RoutingRequest) -> Outcome | _Retry:
-        for provider in self.eligible(request):
-            admission = await self.state.try_admit_unpinned_session_request(
-                provider.name, request.model, request.session_id
-            )
+    async def execute_not_yet_pinned_request(
+        self, request: RoutingRequest, first_admission: Admission | None = None
+    ) -> Outcome | _Retry:
+        """`first_admission`: the first eligible provider's answer, when already fetched."""
+        for index, provider in enumerate(self.eligible(request)):
+            if index == 0 and first_admission is not None:
+                admission = first_admission
+            else:
+                admission = await self.state.try_admit_unpinned_session_request(
+                    provider.name, request.model, request.session_id
+                )
             if admission.result is Result.ALREADY_PINNED:
                 return RETRY_ROUTING
             if admission.result is Result.ADMITTED:
                 return self.execute_on_pinned_provider(admission, Reason.NEW_PIN)
         return self.reject_request_as_unsupported_or_unavailable(request)
 
-    async def execute_pinned_request(self, request: RoutingRequest, pin: Pin) -> Outcome | _Retry:
+    async def execute_pinned_request(
+        self, request: RoutingRequest, pin: Pin, admission: Admission | None = None
+    ) -> Outcome | _Retry:
+        """`admission`: the pinned admission's answer, when already fetched with the pin."""
         provider = self._by_name.get(pin.provider)
         if provider is None or not self._fits(provider, request):
             return await self.try_repin_to_other_provider_and_retry_execute(request, pin)
 
-        admission = await self.state.try_admit_pinned_session_request(request.model, request.session_id)
+        if admission is None:
+            admission = await self.state.try_admit_pinned_session_request(request.model, request.session_id)
         if admission.result is Result.SESSION_NOT_PINNED:
             return RETRY_ROUTING
         if admission.pin is None or admission.pin.id != pin.id:

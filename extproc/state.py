@@ -163,6 +163,7 @@ def connect(url: str, timeout_seconds: float = 0.5, max_connections: int = 64) -
 
 SCRIPT_NAMES = (
     "get_pin",
+    "get_pin_and_admit",
     "admit_unpinned",
     "admit_pinned",
     "cas_repin",
@@ -233,6 +234,28 @@ class RoutingState:
         """The spec's get_pin: the session's live pin, or None."""
         reply = await self._call("get_pin", model, session_id, [], now_ms, with_providers=False)
         return _decode(model, session_id, reply).pin
+
+    async def get_pin_and_try_admit(
+        self,
+        model: str,
+        session_id: str,
+        eligible: list[str],
+        *,
+        lease_id: str | None = None,
+        now_ms: int | None = None,
+    ) -> tuple[Pin | None, Admission | None]:
+        """The spec's first routing attempt in one round trip: get_pin, then the admission the
+        spec would try next: on the pin if its provider is in `eligible` (provider names in
+        priority order), else nothing; without a pin, a new pin on eligible[0]. Returns (the pin
+        seen, the admission or None when none was attempted)."""
+        args = [lease_id or new_id(), new_id(), *eligible]
+        reply = await self._call("get_pin_and_admit", model, session_id, args, now_ms)
+        admission = _decode(model, session_id, reply[:8])
+        pinned_branch = _text(reply[8]) == "pinned"
+        pin = admission.pin if pinned_branch else None
+        if admission.result in (Result.PINNED, Result.NOT_PINNED):
+            return pin, None
+        return pin, admission
 
     async def try_admit_unpinned_session_request(
         self, provider: str, model: str, session_id: str, *, lease_id: str | None = None, now_ms: int | None = None

@@ -16,11 +16,4 @@ local replay = replayed_admission(ctx, p, lease_id)
 if replay then
   return replay
 end
-tidy_provider(ctx, p)
-local session_in_flight = live_count(ctx.session_leases_key, ctx.now)
-local result = capacity_result(ctx, p, session_in_flight, true, false)
-if result ~= 'ADMITTED' then
-  return reply(ctx, result, pin)
-end
-local lease_deadline = add_pinned_lease(ctx, p, pin, lease_id)
-return reply(ctx, 'ADMITTED', pin, lease_id, lease_deadline)
+return admit_on_pin(ctx, p, pin, lease_id)

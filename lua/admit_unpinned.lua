@@ -15,11 +15,4 @@ local pin = read_pin(ctx)
 if pin then
   return reply(ctx, 'ALREADY_PINNED', pin)
 end
-tidy_provider(ctx, p)
-local result = capacity_result(ctx, p, 0, false, true)
-if result ~= 'ADMITTED' then
-  return reply(ctx, result, nil)
-end
-local lease_deadline
-pin, lease_deadline = create_pin(ctx, p, pin_id, lease_id)
-return reply(ctx, 'ADMITTED', pin, lease_id, lease_deadline)
+return admit_new_pin(ctx, p, lease_id, pin_id)

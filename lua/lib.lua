@@ -174,6 +174,28 @@ local function replayed_admission(ctx, p, lease_id)
   return reply(ctx, 'ADMITTED', read_pin(ctx), lease_id, score)
 end
 
+-- The body of try_admit_unpinned_session_request once the session is known to have no live pin.
+local function admit_new_pin(ctx, p, lease_id, pin_id)
+  tidy_provider(ctx, p)
+  local result = capacity_result(ctx, p, 0, false, true)
+  if result ~= 'ADMITTED' then
+    return reply(ctx, result, nil)
+  end
+  local pin, lease_deadline = create_pin(ctx, p, pin_id, lease_id)
+  return reply(ctx, 'ADMITTED', pin, lease_id, lease_deadline)
+end
+
+-- The body of try_admit_pinned_session_request once the live pin and its provider are known.
+local function admit_on_pin(ctx, p, pin, lease_id)
+  tidy_provider(ctx, p)
+  local session_in_flight = live_count(ctx.session_leases_key, ctx.now)
+  local result = capacity_result(ctx, p, session_in_flight, true, false)
+  if result ~= 'ADMITTED' then
+    return reply(ctx, result, pin)
+  end
+  return reply(ctx, 'ADMITTED', pin, lease_id, add_pinned_lease(ctx, p, pin, lease_id))
+end
+
 local function unknown_provider(ctx, name)
   return redis.error_reply('ERR unknown provider for this model: ' .. tostring(name))
 end

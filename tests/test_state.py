@@ -243,3 +243,33 @@ async def test_every_key_of_a_model_shares_one_hash_tag(state, redis_client):
     await state.try_admit_request_without_pin("iris-2", "m", now_ms=T0)
     keys = [k.decode() for k in await redis_client.keys("*")]
     assert keys and all(k.startswith("{t:m}:") for k in keys)
+
+
+async def test_fused_first_attempt_admits_on_the_pin(state):
+    first = await pin_new_session(state)
+    pin, admission = await state.get_pin_and_try_admit("m", "s1", ["iris-1", "iris-2"], now_ms=T0 + 1)
+    assert pin == first.pin
+    assert admission.result is Result.ADMITTED and admission.pin == first.pin
+
+
+async def test_fused_first_attempt_pins_a_new_session_on_the_first_eligible(state):
+    pin, admission = await state.get_pin_and_try_admit("m", "s1", ["iris-2", "tensorx"], now_ms=T0)
+    assert pin is None
+    assert admission.result is Result.ADMITTED and admission.pin.provider == "iris-2"
+    assert (await state.get_pin("m", "s1", now_ms=T0)).provider == "iris-2"
+
+
+async def test_fused_first_attempt_leaves_an_ineligible_pin_alone(state, redis_client):
+    first = await pin_new_session(state)
+    pin, admission = await state.get_pin_and_try_admit("m", "s1", ["iris-2"], now_ms=T0 + 1)
+    assert pin == first.pin and admission is None
+    assert await live_leases(redis_client, state, "iris-1", T0 + 1) == 1
+
+
+async def test_fused_first_attempt_reports_capacity_results(state):
+    await pin_new_session(state, "a")
+    await pin_new_session(state, "b")
+    pin, admission = await state.get_pin_and_try_admit("m", "c", ["iris-1"], now_ms=T0)
+    assert pin is None and admission.result is Result.PIN_LIMIT_REACHED
+    pin, admission = await state.get_pin_and_try_admit("m", "c", [], now_ms=T0)
+    assert pin is None and admission is None
