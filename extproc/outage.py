@@ -13,7 +13,6 @@ count there (and no longer locally) until released: nothing is counted twice or 
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 import uuid

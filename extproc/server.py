@@ -30,8 +30,8 @@ from extproc import metrics
 from extproc.config import Config
 from extproc.degraded import DegradedFlags
 from extproc.leases import LeaseHolder
-from extproc.outage import InstanceRegistry, OutageRouter, RedisBreaker
 from extproc.openai_request import RequestError, feature_for_path, parse_request, session_id
+from extproc.outage import InstanceRegistry, OutageRouter, RedisBreaker
 from extproc.routing import Decision, Rejection, RejectionKind, Router, RoutingRequest
 from extproc.state import RoutingState, connect
 
@@ -64,7 +64,6 @@ class StreamState:
     decision: Decision | None = None
     status: int | None = None
     lease_lost: asyncio.Event = field(default_factory=asyncio.Event)
-    started: float = field(default_factory=time.monotonic)
 
 
 class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from extproc.config import ConfigError, load_config, parse_config
-from tests.conftest import ROOT, small_config_data
+from tests.conftest import small_config_data
 
 
 def problems(data) -> list[str]:

@@ -4,7 +4,6 @@ Redis; the limits hold, nothing leaks, and outages behave as the configured poli
 from __future__ import annotations
 
 import asyncio
-import copy
 import threading
 import time
 
@@ -13,7 +12,7 @@ import pytest
 import redis
 
 from tests.fleet import LoadPlan, pinned_providers_per_session, run_load
-from tests.gateway_support import LIMITS, MODEL, gateway_config, live_leases, provider_stats, start_gateway, wait_for_no_leases
+from tests.gateway_support import LIMITS, MODEL, gateway_config, provider_stats, start_gateway, wait_for_no_leases
 
 ENVOY_MESSAGE_TIMEOUT_SECONDS = 5.0  # envoy/envoy.yaml: no request may wait on routing longer
 

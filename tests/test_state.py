@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
 from extproc.state import PinMatch, Result
 
 T0 = 1_000_000_000
