@@ -88,9 +88,7 @@ local function save_pin(ctx, p, pin)
   redis.call('HSET', ctx.pin_key, 'provider', pin.provider, 'id', pin.id,
     'deadline', pin.deadline, 'expiry', pin.expiry)
   redis.call('PEXPIRE', ctx.pin_key, ttl)
-  if redis.call('EXISTS', ctx.session_leases_key) == 1 then
-    redis.call('PEXPIRE', ctx.session_leases_key, ttl)
-  end
+  redis.call('PEXPIRE', ctx.session_leases_key, ttl)  -- a no-op while the session holds no lease
   redis.call('ZADD', p.pins_key, pin.expiry, pin.id)
   redis.call('PEXPIRE', p.pins_key, math.max(ctx.pin_timeout, ctx.lease_timeout) + ctx.grace)
 end
