@@ -66,6 +66,7 @@ class DegradedFlags:
         for provider, model in self._pairs:
             self._by_model.setdefault(model, []).extend((provider, source) for source in SOURCES)
         self._flags: dict[tuple[str, str], dict[str, str]] = {}
+        self._writes = 0  # local set/clear calls so far: a refresh begun before one is stale
 
     def is_degraded(self, provider: str, model: str) -> bool:
         """From the last snapshot; never touches Redis."""
@@ -123,7 +124,10 @@ class DegradedFlags:
             self._note(provider, model, source, None)
 
     async def refresh(self) -> dict[tuple[str, str], str]:
-        """Reload the snapshot from Redis (one pipelined round trip). Raises RedisError."""
+        """Reload the snapshot from Redis (one pipelined round trip). A reload that began before
+        a local `set` or `clear` finished is dropped (it may predate the write), so this instance
+        never un-sees its own flag. Raises RedisError."""
+        writes = self._writes
         models = list(self._by_model)
         async with self.redis.pipeline(transaction=False) as pipe:
             for model in models:
@@ -134,7 +138,8 @@ class DegradedFlags:
             for (provider, source), value in zip(self._by_model[model], values):
                 if value is not None:
                     flags.setdefault((provider, model), {})[source] = _text(value)
-        self._flags = flags
+        if self._writes == writes:
+            self._flags = flags
         return self.reasons()
 
     async def describe(self) -> dict[tuple[str, str], list[Flag]]:
@@ -179,6 +184,7 @@ class DegradedFlags:
             by_source.pop(source, None)
         else:
             by_source[source] = reason
+        self._writes += 1
         flags = dict(self._flags)  # copy on write: readers may hold the old snapshot
         if by_source:
             flags[(provider, model)] = {s: by_source[s] for s in SOURCES if s in by_source}

@@ -173,16 +173,19 @@ class LocalGateway:
         env[private] = Path(credentials.api_key_file).read_text().strip()
         return private
 
-    def _checks_on_simulators(self, data: dict[str, Any]) -> list[dict[str, Any]]:
-        """The providers of `data` with their health-check and load URLs sent to the simulators."""
+    def _checks_on_simulators(self, data: dict[str, Any], index: int) -> list[dict[str, Any]]:
+        """The providers of `data` with their health-check and load URLs sent to the simulators;
+        a health check says which instance it comes from (`?client=extproc-<index>`)."""
         providers = []
         for entry in data["providers"]:
             entry = dict(entry)
             port = self.providers[entry["name"]].port
             for name in ("health_check", "load"):
                 if entry.get(name):
-                    url = urlsplit(entry[name]["url"])
-                    entry[name] = {**entry[name], "url": urlunsplit(url._replace(netloc=f"127.0.0.1:{port}"))}
+                    url = urlsplit(entry[name]["url"])._replace(netloc=f"127.0.0.1:{port}")
+                    if name == "health_check":
+                        url = url._replace(query=f"client=extproc-{index}")
+                    entry[name] = {**entry[name], "url": urlunsplit(url)}
             providers.append(entry)
         return providers
 
@@ -191,7 +194,7 @@ class LocalGateway:
         config = dict(data)
         config["redis"] = {**data.get("redis", {}), "url": self.redis_url}
         config["server"] = {**data.get("server", {}), "listen": f"127.0.0.1:{grpc_port}"}
-        config["providers"] = self._checks_on_simulators(data)
+        config["providers"] = self._checks_on_simulators(data, index)
         config_path = self.work_dir / f"routing-{index}.yaml"
         config_path.write_text(yaml.safe_dump(config, sort_keys=False))
         extproc = spawn(

@@ -110,7 +110,8 @@ class SimulatorState:
         the prompt tokens; completion tokens count what was actually sent).
     last_request_headers: headers (lowercase name -> value) of the last 50 inference requests.
     last_request_models: the ``model`` values of the last 50 inference requests, as received.
-    health_checks / health_checks_failed: ``GET /health`` requests, and those answered 503.
+    health_checks / health_checks_failed: ``GET /health`` requests, and those answered 503;
+    health_checks_failed_by_client: the same per ``client`` query parameter (``/health?client=x``).
     """
 
     in_flight: int = 0
@@ -128,6 +129,7 @@ class SimulatorState:
     last_request_models: deque[Any] = field(default_factory=lambda: deque(maxlen=RECENT_REQUESTS))
     health_checks: int = 0
     health_checks_failed: int = 0
+    health_checks_failed_by_client: dict[str, int] = field(default_factory=dict)
 
     def request_started(self, headers: Iterable[tuple[str, str]]) -> _Exchange:
         """Count a request whose handler starts, remembering its headers."""
@@ -159,6 +161,7 @@ class SimulatorState:
         self.max_in_flight_by_model = dict(self.in_flight_by_model)
         self.requests = self.prompt_tokens = self.cached_tokens = self.completion_tokens = 0
         self.health_checks = self.health_checks_failed = 0
+        self.health_checks_failed_by_client.clear()
         self.requests_by_status.clear()
         self.last_request_headers.clear()
         self.last_request_models.clear()
@@ -179,6 +182,7 @@ class SimulatorState:
             "last_request_models": list(self.last_request_models),
             "health_checks": self.health_checks,
             "health_checks_failed": self.health_checks_failed,
+            "health_checks_failed_by_client": dict(self.health_checks_failed_by_client),
         }
 
 
@@ -763,6 +767,9 @@ class _Service:
         if self.healthy:
             return _json_response({"status": "ok"})
         self.state.health_checks_failed += 1
+        client = request.query.get("client", "")
+        by_client = self.state.health_checks_failed_by_client
+        by_client[client] = by_client.get(client, 0) + 1
         return _json_response({"status": "unhealthy"}, status=503)
 
     async def metrics(self, request: web.Request) -> web.Response:
