@@ -172,7 +172,16 @@ def _status(args) -> int:
 def _flag_text(flag) -> str:
     if flag.ttl_seconds is None:
         return flag.reason
-    return f"{flag.reason} [{flag.ttl_seconds:.1f} s left]"
+    seconds = flag.ttl_seconds
+    if seconds < 120:
+        left = f"{seconds:.1f} s"
+    elif seconds < 2 * 3600:
+        left = f"{seconds / 60:.0f} min"
+    elif seconds < 2 * 86400:
+        left = f"{seconds / 3600:.0f} h"
+    else:
+        left = f"{seconds / 86400:.0f} d"
+    return f"{flag.reason} [{left} left]"
 
 
 if __name__ == "__main__":
