@@ -6,7 +6,7 @@ refresh interval and one source never clears another's (nor an operator's drain)
 - Active (`health`): a GET of the provider's `health_check.url` every `interval_seconds`. After
   `failures_before_degraded` failures in a row this instance sets the provider's health flag on
   every model, renewing it at every check while it fails, with a TTL of `flag_ttl_intervals`
-  intervals: a checker that dies stops renewing and the flag expires. After
+  intervals (or timeouts, if longer): a checker that dies stops renewing and the flag expires. After
   `successes_before_healthy` successes in a row this instance clears it. A provider is degraded
   while any instance sees it failing.
 - Passive (`passive`): an upstream 5xx answer (Envoy answers 503 itself on a connection failure
@@ -92,6 +92,12 @@ def gauge_values(text: str, gauge: LoadGauge, upstream_names: dict[str, str]) ->
     return {model: by_label.get(name, 0.0) for model, name in upstream_names.items()}
 
 
+def over_threshold(value: float, was_over: bool, threshold: float, recover_below: float) -> bool:
+    """Whether a load gauge reading keeps (or puts) its pair degraded: above `threshold`, or
+    still above `recover_below` after being over (hysteresis)."""
+    return value > threshold or (was_over and value > recover_below)
+
+
 def display_url(url: str) -> str:
     """`url` without user info and query, for reasons and logs (they may hold secrets)."""
     parts = urlsplit(url)
@@ -131,7 +137,8 @@ class HealthMonitor:
                 self._spawn(self._run_load_gauge(provider, provider.load))
 
     async def close(self) -> None:
-        """Stop the checks and wait for failures being recorded."""
+        """Stop the checks and any failure still being recorded (a lost record only delays a
+        degradation)."""
         for task in list(self._tasks):
             task.cancel()
         if self._tasks:
@@ -178,7 +185,8 @@ class HealthMonitor:
     async def _run_health_check(self, provider: Provider, check: HealthCheck) -> None:
         streak = Streak(check.failures_before_degraded, check.successes_before_healthy)
         pairs = self.flags.pairs(provider.name)
-        ttl = check.interval_seconds * self._ttl_intervals
+        # A failing probe may take its whole timeout: the TTL covers the longer of the two.
+        ttl = max(check.interval_seconds, check.timeout_seconds) * self._ttl_intervals
         url = display_url(check.url)
         last_failure = ""
         must_clear = False
@@ -223,7 +231,7 @@ class HealthMonitor:
     async def _run_load_gauge(self, provider: Provider, gauge: LoadGauge) -> None:
         upstream_names = {model: entry.upstream_model or model for model, entry in provider.models.items()}
         recover_below = gauge.threshold if gauge.recover_below is None else gauge.recover_below
-        ttl = gauge.interval_seconds * self._ttl_intervals
+        ttl = max(gauge.interval_seconds, gauge.timeout_seconds) * self._ttl_intervals
         url = display_url(gauge.url)
         over: dict[str, bool] = {}
         reachable = True
@@ -245,7 +253,7 @@ class HealthMonitor:
                 values = {}
             for model, value in values.items():
                 try:
-                    if value > gauge.threshold or (over.get(model) and value > recover_below):
+                    if over_threshold(value, over.get(model, False), gauge.threshold, recover_below):
                         reason = f"load: {gauge.metric}={value:g} (degraded above {gauge.threshold:g}"
                         reason += f", until <= {recover_below:g})" if recover_below != gauge.threshold else ")"
                         await self.flags.set(provider.name, model, reason, ttl, LOAD)

@@ -9,7 +9,7 @@ import pytest
 
 from extproc.config import ConfigError, LoadGauge, parse_config
 from extproc.degraded import HEALTH, LOAD, MANUAL, PASSIVE, DegradedFlags
-from extproc.health import HealthMonitor, Streak, display_url, gauge_values
+from extproc.health import HealthMonitor, Streak, display_url, gauge_values, over_threshold
 from extproc.routing import RejectionKind, Router, RoutingRequest
 from extproc.state import RoutingState
 from tests.conftest import small_config_data
@@ -82,6 +82,15 @@ def test_gauge_values_per_model_and_in_total():
     assert gauge_values(text, per_model, {"m": "up-m", "e": "e"}) == {"m": 12.0, "e": 0.0}
     total = LoadGauge(url="http://x/metrics", metric="vllm:num_requests_waiting", threshold=8)
     assert gauge_values(text, total, {"m": "up-m"}) == {"m": 15.0}
+
+
+def test_load_degrades_above_the_threshold_until_back_at_recover_below():
+    over = False
+    seen = []
+    for value in (5, 11, 6, 2.5, 2, 9, 10, 10.5):
+        over = over_threshold(value, over, threshold=10, recover_below=2)
+        seen.append(over)
+    assert seen == [False, True, True, True, False, False, False, True]
 
 
 def test_display_url_drops_user_info_and_query():
