@@ -205,7 +205,6 @@ class Router:
         return [p for p in self._providers if self._fits(p, request)]
 
 
-
 _FEATURE_PARAMS = {"tools": "tools", "vision": "messages", "json_schema": "response_format"}
 
 
