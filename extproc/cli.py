@@ -3,8 +3,8 @@
     iris-extproc serve --config PATH          run the ext_proc server
     iris-extproc up [--demo]                  a whole local gateway (Redis, Envoy, providers)
     iris-extproc drain PROVIDER [--model M]   mark a provider degraded by hand
-    iris-extproc undrain PROVIDER [--model M]
-    iris-extproc status                       providers, models and their state
+    iris-extproc undrain PROVIDER [--model M] clear that mark (automatic flags stay)
+    iris-extproc status                       providers, models, their state and why
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import signal
 import sys
 
 from extproc.config import Config, ConfigError, load_config
-from extproc.degraded import DEFAULT_MANUAL_TTL_SECONDS, DegradedFlags
+from extproc.degraded import DEFAULT_MANUAL_TTL_SECONDS, MANUAL, DegradedFlags
 from extproc.state import connect
 
 log = logging.getLogger("iris-extproc")
@@ -65,12 +65,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _serve(args) -> int:
+    from extproc.adaptation import CredentialError
     from extproc.server import SecretMissing, serve
 
     config = load_config(args.config)
     try:
         asyncio.run(serve(config))
-    except SecretMissing as exc:
+    except (SecretMissing, CredentialError) as exc:
         print(f"iris-extproc: {exc}", file=sys.stderr)
         return 2
     return 0
@@ -118,7 +119,7 @@ def _drain(args) -> int:
         redis = connect(config.redis.url, config.redis.socket_timeout_seconds)
         flags = DegradedFlags(redis, config)
         for provider, model in _pairs(flags, config, args.provider, args.model):
-            await flags.set(provider, model, f"manual: {args.reason}", args.ttl_seconds)
+            await flags.set(provider, model, f"manual: {args.reason}", args.ttl_seconds, MANUAL)
             print(f"drained {provider} {model}")
         await redis.aclose()
 
@@ -132,7 +133,7 @@ def _undrain(args) -> int:
         redis = connect(config.redis.url, config.redis.socket_timeout_seconds)
         flags = DegradedFlags(redis, config)
         for provider, model in _pairs(flags, config, args.provider, args.model):
-            await flags.clear(provider, model)
+            await flags.clear(provider, model, MANUAL)
             print(f"undrained {provider} {model}")
         await redis.aclose()
 
@@ -141,20 +142,46 @@ def _undrain(args) -> int:
 
 
 def _status(args) -> int:
+    """One line per (provider, model): its state and why. `degraded` (automatic flags only) or
+    `drained` (an operator's flag, whatever else holds); each flag with its source, reason and
+    the seconds it still holds. Unlimited providers are never degraded."""
+
     async def run():
         config = load_config(args.config)
         redis = connect(config.redis.url, config.redis.socket_timeout_seconds)
-        reasons = await DegradedFlags(redis, config).refresh()
-        await redis.aclose()
+        try:
+            flags = await DegradedFlags(redis, config).describe()
+        finally:
+            await redis.aclose()
         print(f"{'provider':<16}{'kind':<11}{'model':<28}{'state':<10}why")
         for provider in config.providers_in_priority_order():
             for model in provider.models:
-                why = reasons.get((provider.name, model))
-                state = "degraded" if why else "healthy"
-                print(f"{provider.name:<16}{provider.kind.value:<11}{model:<28}{state:<10}{why or ''}")
+                held = flags.get((provider.name, model), [])
+                state = "healthy"
+                if held:
+                    state = "drained" if any(f.source == MANUAL for f in held) else "degraded"
+                why = "; ".join(_flag_text(f) for f in held)
+                if provider.kind.value == "unlimited":
+                    why = "unlimited: never degraded"
+                print(f"{provider.name:<16}{provider.kind.value:<11}{model:<28}{state:<10}{why}".rstrip())
 
     asyncio.run(run())
     return 0
+
+
+def _flag_text(flag) -> str:
+    if flag.ttl_seconds is None:
+        return flag.reason
+    seconds = flag.ttl_seconds
+    if seconds < 120:
+        left = f"{seconds:.1f} s"
+    elif seconds < 2 * 3600:
+        left = f"{seconds / 60:.0f} min"
+    elif seconds < 2 * 86400:
+        left = f"{seconds / 3600:.0f} h"
+    else:
+        left = f"{seconds / 86400:.0f} d"
+    return f"{flag.reason} [{left} left]"
 
 
 if __name__ == "__main__":

@@ -59,6 +59,80 @@ class ModelEntry(_Strict):
     upstream_model: str | None = None
 
 
+class Credentials(_Strict):
+    """Where a provider's API key comes from: exactly one of `api_key_env` (an environment
+    variable) or `api_key_file` (a file holding the key; surrounding whitespace is dropped),
+    never the configuration file itself. The key is read once at start-up and sent as
+    `<header>: <prefix><key>`: by default `authorization: Bearer <key>`; for an `api-key`
+    header set `header: api-key` (its prefix then defaults to none)."""
+
+    api_key_env: str | None = Field(default=None, min_length=1)
+    api_key_file: str | None = Field(default=None, min_length=1)
+    header: str = Field(default="authorization", pattern=r"^[a-z0-9][a-z0-9_-]*$")
+    prefix: str | None = None
+
+    def header_prefix(self) -> str:
+        """The text before the key: `prefix`, else "Bearer " for authorization, else nothing."""
+        if self.prefix is not None:
+            return self.prefix
+        return "Bearer " if self.header == "authorization" else ""
+
+
+class HealthCheck(_Strict):
+    """An active HTTP health check of a managed provider, run by every ext_proc instance: a GET
+    of `url` every `interval_seconds` that must answer 2xx within `timeout_seconds`. After
+    `failures_before_degraded` failures in a row the provider is marked degraded (every model),
+    after `successes_before_healthy` successes in a row it is healthy again."""
+
+    url: str = Field(pattern=r"^https?://")
+    interval_seconds: float = Field(default=5.0, gt=0)
+    timeout_seconds: float = Field(default=1.0, gt=0)
+    failures_before_degraded: int = Field(default=3, ge=1)
+    successes_before_healthy: int = Field(default=2, ge=1)
+
+
+class LoadGauge(_Strict):
+    """Degrade a managed provider while a gauge of its Prometheus endpoint `url` (text format)
+    is above `threshold`, until it falls to `recover_below` (default: the threshold). The gauge is
+    the sum of the samples named `metric` (for example vLLM's `vllm:num_requests_waiting`); with
+    `model_label` set (for example `model_name`), per model: the samples whose label equals the
+    model's upstream name. Read every `interval_seconds`, within `timeout_seconds`."""
+
+    url: str = Field(pattern=r"^https?://")
+    metric: str = Field(min_length=1)
+    threshold: float
+    recover_below: float | None = None
+    model_label: str | None = None
+    interval_seconds: float = Field(default=5.0, gt=0)
+    timeout_seconds: float = Field(default=1.0, gt=0)
+
+
+class PassiveHealth(_Strict):
+    """Passive degradation: `failures` upstream failures (5xx answers, connection failures and
+    resets before the response) of one managed (provider, model) within `window_seconds`, counted
+    over every instance in Redis, degrade it for `cooldown_seconds`."""
+
+    enabled: bool = True
+    failures: int = Field(default=5, ge=1)
+    window_seconds: float = Field(default=10.0, gt=0)
+    cooldown_seconds: float = Field(default=30.0, gt=0)
+
+
+class DegradationSettings(_Strict):
+    """Automatic degradation. A flag written by a health or load check lives
+    `flag_ttl_intervals` check intervals unless the next check renews it, so a dead checker never
+    pins a provider degraded."""
+
+    passive: PassiveHealth = PassiveHealth()
+    flag_ttl_intervals: float = Field(default=3.0, ge=1)
+
+
+class AdaptationSettings(_Strict):
+    """What every request loses before it leaves: the client's own credential headers."""
+
+    client_credential_headers: list[str] = ["authorization", "api-key", "x-api-key"]
+
+
 class Provider(_Strict):
     """One provider: a name, a kind, the Envoy cluster that reaches it, and its models."""
 
@@ -66,6 +140,9 @@ class Provider(_Strict):
     kind: ProviderKind
     cluster: str = Field(min_length=1, pattern=r"^[A-Za-z0-9._-]+$")
     models: dict[str, ModelEntry] = Field(min_length=1)
+    credentials: Credentials | None = None
+    health_check: HealthCheck | None = None
+    load: LoadGauge | None = None
 
     def supports(self, model: str, feature: str, sub_features: frozenset[str] = frozenset()) -> bool:
         """The spec's provider.supports(model, feature): the model is served with the feature
@@ -124,6 +201,8 @@ class Config(_Strict):
     redis: RedisSettings = RedisSettings()
     session: SessionSettings = SessionSettings()
     server: ServerSettings = ServerSettings()
+    adaptation: AdaptationSettings = AdaptationSettings()
+    degradation: DegradationSettings = DegradationSettings()
 
     def providers_in_priority_order(self) -> list[Provider]:
         """The spec's all_providers_in_priority_order(): managed providers first, then unlimited
@@ -194,6 +273,25 @@ def _cross_field_problems(config: Config) -> list[str]:
             if not entry.features & FEATURE_CLASSES:
                 problems.append(f"{at}.features: needs one of {sorted(FEATURE_CLASSES)}")
             problems.extend(_limit_problems(at, provider.kind, entry.limits))
+        problems.extend(_provider_extension_problems(f"providers[{i}]", provider))
+    return problems
+
+
+def _provider_extension_problems(at: str, provider: Provider) -> list[str]:
+    """Credentials name one source; health and load checks only on managed providers."""
+    problems = []
+    credentials = provider.credentials
+    if credentials is not None and (credentials.api_key_env is None) == (credentials.api_key_file is None):
+        problems.append(f"{at}.credentials: set exactly one of api_key_env or api_key_file")
+    if credentials is not None and credentials.header in ("host", "content-length", "content-type"):
+        problems.append(f"{at}.credentials.header: {credentials.header!r} cannot carry a key")
+    if provider.kind is ProviderKind.UNLIMITED:
+        for name in ("health_check", "load"):
+            if getattr(provider, name) is not None:
+                problems.append(f"{at}.{name}: an unlimited provider is never degraded (the spec)")
+    load = provider.load
+    if load is not None and load.recover_below is not None and load.recover_below > load.threshold:
+        problems.append(f"{at}.load.recover_below: must be <= threshold ({_plain_number(load.threshold)})")
     return problems
 
 

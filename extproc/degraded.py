@@ -1,16 +1,27 @@
 """Degraded flags per (provider, model), shared by every proxy through Redis.
 
-The spec's `provider.degraded(model)`. A flag is a Redis string whose value says why (for
+The spec's `provider.degraded(model)`: a pair is degraded while any of its flags holds. There is
+one flag per source, so that one source never clears another's (an automatic health recovery
+never ends an operator's drain):
+
+- `manual`: `iris-extproc drain` / `undrain`;
+- `health`: the active health check (extproc.health);
+- `passive`: upstream failures in a sliding window (extproc.health);
+- `load`: a Prometheus gauge over its threshold (extproc.health).
+
+A flag is a Redis string ``{prefix:model}:degraded:<provider>:<source>`` whose value says why (for
 example `manual: drained by ops`) and whose TTL bounds how long it holds without being renewed.
 Routing reads a local snapshot that `refresh` (run every `server.degraded_refresh_seconds` by
-`run_refresher`) reloads with one pipelined round trip, so the hot path never waits on it and all
-proxies agree within one refresh interval.
+`run_refresher`) reloads with one pipelined round trip (one MGET per model: a model's keys share
+one hash slot), so the hot path never waits on it and all proxies agree within one refresh
+interval.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
@@ -21,6 +32,21 @@ from extproc.state import Keyspace
 log = logging.getLogger(__name__)
 
 DEFAULT_MANUAL_TTL_SECONDS = 7 * 24 * 3600
+
+MANUAL = "manual"
+HEALTH = "health"
+PASSIVE = "passive"
+LOAD = "load"
+SOURCES = (MANUAL, HEALTH, PASSIVE, LOAD)
+
+
+@dataclass(frozen=True, slots=True)
+class Flag:
+    """One flag as `describe` reads it: its source, why, and the seconds it still holds."""
+
+    source: str
+    reason: str
+    ttl_seconds: float | None
 
 
 class DegradedFlags:
@@ -35,15 +61,25 @@ class DegradedFlags:
             if p.kind is ProviderKind.MANAGED
             for model in p.models
         ]
-        self._reasons: dict[tuple[str, str], str] = {}
+        # Per model: the (provider, source) of each of its flag keys, in one MGET's order.
+        self._by_model: dict[str, list[tuple[str, str]]] = {}
+        for provider, model in self._pairs:
+            self._by_model.setdefault(model, []).extend((provider, source) for source in SOURCES)
+        self._flags: dict[tuple[str, str], dict[str, str]] = {}
+        self._writes = 0  # local set/clear calls so far: a refresh begun before one is stale
 
     def is_degraded(self, provider: str, model: str) -> bool:
         """From the last snapshot; never touches Redis."""
-        return (provider, model) in self._reasons
+        return (provider, model) in self._flags
 
     def reasons(self) -> dict[tuple[str, str], str]:
-        """The last snapshot: (provider, model) -> why it is degraded."""
-        return dict(self._reasons)
+        """The last snapshot: (provider, model) -> why it is degraded (every source's reason,
+        joined by "; ")."""
+        return {pair: "; ".join(by_source.values()) for pair, by_source in self._flags.items()}
+
+    def flags(self, provider: str, model: str) -> dict[str, str]:
+        """The last snapshot of one pair: source -> reason."""
+        return dict(self._flags.get((provider, model), {}))
 
     def pairs(self, provider: str | None = None, model: str | None = None) -> list[tuple[str, str]]:
         """The managed (provider, model) pairs, optionally narrowed to one provider or model."""
@@ -51,28 +87,81 @@ class DegradedFlags:
             (p, m) for p, m in self._pairs if provider in (None, p) and model in (None, m)
         ]
 
-    async def set(self, provider: str, model: str, reason: str, ttl_seconds: float) -> None:
-        """Mark the pair degraded for `ttl_seconds` (seconds). Raises RedisError."""
-        await self.redis.set(self.keys.degraded(model, provider), reason, px=max(1, round(ttl_seconds * 1000)))
-        self._reasons[(provider, model)] = reason
+    async def set(
+        self, provider: str, model: str, reason: str, ttl_seconds: float, source: str = MANUAL
+    ) -> None:
+        """Mark the pair degraded by `source` for `ttl_seconds` (seconds). Raises RedisError,
+        or ValueError for an unknown source."""
+        key = self._key(provider, model, source)
+        await self.redis.set(key, reason, px=max(1, round(ttl_seconds * 1000)))
+        self._note(provider, model, source, reason)
 
-    async def clear(self, provider: str, model: str) -> None:
-        """Clear the pair's flag. Raises RedisError."""
-        await self.redis.delete(self.keys.degraded(model, provider))
-        self._reasons.pop((provider, model), None)
+    async def clear(self, provider: str, model: str, source: str = MANUAL) -> None:
+        """Clear the pair's flag of `source` only. Raises RedisError, or ValueError for an
+        unknown source."""
+        await self.redis.delete(self._key(provider, model, source))
+        self._note(provider, model, source, None)
+
+    async def set_many(
+        self, pairs: list[tuple[str, str]], reason: str, ttl_seconds: float, source: str
+    ) -> None:
+        """`set` for several pairs in one pipelined round trip. Raises RedisError."""
+        px = max(1, round(ttl_seconds * 1000))
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for provider, model in pairs:
+                pipe.set(self._key(provider, model, source), reason, px=px)
+            await pipe.execute()
+        for provider, model in pairs:
+            self._note(provider, model, source, reason)
+
+    async def clear_many(self, pairs: list[tuple[str, str]], source: str) -> None:
+        """`clear` for several pairs in one pipelined round trip. Raises RedisError."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for provider, model in pairs:
+                pipe.delete(self._key(provider, model, source))
+            await pipe.execute()
+        for provider, model in pairs:
+            self._note(provider, model, source, None)
 
     async def refresh(self) -> dict[tuple[str, str], str]:
-        """Reload the snapshot from Redis (one pipelined round trip). Raises RedisError."""
+        """Reload the snapshot from Redis (one pipelined round trip). A reload that began before
+        a local `set` or `clear` finished is dropped (it may predate the write), so this instance
+        never un-sees its own flag. Raises RedisError."""
+        writes = self._writes
+        models = list(self._by_model)
         async with self.redis.pipeline(transaction=False) as pipe:
-            for provider, model in self._pairs:
-                pipe.get(self.keys.degraded(model, provider))
-            values = await pipe.execute()
-        self._reasons = {
-            pair: value.decode() if isinstance(value, bytes) else value
-            for pair, value in zip(self._pairs, values)
-            if value is not None
-        }
+            for model in models:
+                pipe.mget([self.keys.degraded(model, p, s) for p, s in self._by_model[model]])
+            replies = await pipe.execute()
+        flags: dict[tuple[str, str], dict[str, str]] = {}
+        for model, values in zip(models, replies):
+            for (provider, source), value in zip(self._by_model[model], values):
+                if value is not None:
+                    flags.setdefault((provider, model), {})[source] = _text(value)
+        if self._writes == writes:
+            self._flags = flags
         return self.reasons()
+
+    async def describe(self) -> dict[tuple[str, str], list[Flag]]:
+        """Every live flag with its remaining TTL, for `iris-extproc status` (one pipelined round
+        trip, two commands per flag). Raises RedisError."""
+        keys = [
+            (pair, source, self.keys.degraded(pair[1], pair[0], source))
+            for pair in self._pairs
+            for source in SOURCES
+        ]
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for _, _, key in keys:
+                pipe.get(key)
+                pipe.pttl(key)
+            replies = await pipe.execute()
+        out: dict[tuple[str, str], list[Flag]] = {}
+        for i, (pair, source, _) in enumerate(keys):
+            value, pttl = replies[2 * i], replies[2 * i + 1]
+            if value is not None:
+                ttl = pttl / 1000 if pttl is not None and pttl >= 0 else None
+                out.setdefault(pair, []).append(Flag(source, _text(value), ttl))
+        return out
 
     async def run_refresher(self, interval_seconds: float) -> None:
         """Refresh every `interval_seconds` until cancelled; a failed refresh keeps the old
@@ -83,3 +172,26 @@ class DegradedFlags:
             except RedisError as exc:
                 log.warning("degraded flags not refreshed: %s", exc)
             await asyncio.sleep(interval_seconds)
+
+    def _key(self, provider: str, model: str, source: str) -> str:
+        if source not in SOURCES:
+            raise ValueError(f"unknown degraded-flag source {source!r}")
+        return self.keys.degraded(model, provider, source)
+
+    def _note(self, provider: str, model: str, source: str, reason: str | None) -> None:
+        by_source = dict(self._flags.get((provider, model), {}))
+        if reason is None:
+            by_source.pop(source, None)
+        else:
+            by_source[source] = reason
+        self._writes += 1
+        flags = dict(self._flags)  # copy on write: readers may hold the old snapshot
+        if by_source:
+            flags[(provider, model)] = {s: by_source[s] for s in SOURCES if s in by_source}
+        else:
+            flags.pop((provider, model), None)
+        self._flags = flags
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

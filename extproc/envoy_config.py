@@ -11,6 +11,7 @@ from typing import Any
 
 import yaml
 
+DNS_CLUSTER_TYPES = ("STRICT_DNS", "LOGICAL_DNS")
 DEFAULT_ENVOY_YAML = Path(__file__).resolve().parent.parent / "envoy" / "envoy.yaml"
 
 
@@ -41,17 +42,23 @@ def render(
     extra_clusters: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """envoy.yaml with its listener on `listener_port`, admin on `admin_port`, and each cluster
-    in `cluster_ports` (extproc and providers) sent to 127.0.0.1:<port>. Clusters not named keep
+    in `cluster_ports` (extproc and providers) sent to 127.0.0.1:<port> (a DNS cluster to
+    localhost:<port>, IPv4 only, so it still resolves a name). Clusters not named keep
     their addresses. Raises KeyError when `cluster_ports` names a cluster the file lacks."""
     bootstrap = load_envoy_yaml(source)
     bootstrap["admin"]["address"]["socket_address"]["port_value"] = admin_port
     bootstrap["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"] = listener_port
     clusters = {c["name"]: c for c in bootstrap["static_resources"]["clusters"]}
     for name, port in cluster_ports.items():
-        for group in clusters[name]["load_assignment"]["endpoints"]:
+        cluster = clusters[name]
+        # A DNS cluster keeps resolving a name: `localhost`, IPv4 only (local servers bind 127.0.0.1).
+        dns = cluster.get("type") in DNS_CLUSTER_TYPES
+        if dns:
+            cluster["dns_lookup_family"] = "V4_ONLY"
+        for group in cluster["load_assignment"]["endpoints"]:
             for endpoint in group["lb_endpoints"]:
                 address = endpoint["endpoint"]["address"]["socket_address"]
-                address["address"] = "127.0.0.1"
+                address["address"] = "localhost" if dns else "127.0.0.1"
                 address["port_value"] = port
     bootstrap["static_resources"]["clusters"].extend(extra_clusters or [])
     return bootstrap

@@ -15,11 +15,12 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import yaml
 
 from extproc import envoy_config
-from extproc.config import Config, parse_config
+from extproc.config import Config, Provider, parse_config
 from extproc.processes import ManagedProcess, envoy_binary, free_port, spawn, start_redis, wait_for_port
 
 EXAMPLE_CONFIG = Path(__file__).resolve().parent.parent / "envoy" / "example-config.yaml"
@@ -27,13 +28,22 @@ EXAMPLE_CONFIG = Path(__file__).resolve().parent.parent / "envoy" / "example-con
 
 @dataclass
 class ProviderSimulation:
-    """How to simulate one provider: delays in milliseconds, prefix-cache size in blocks."""
+    """How to simulate one provider: delays in milliseconds, prefix-cache size in blocks.
+
+    By default the simulator behaves as the routing config says the provider does: it serves
+    only the provider's model names (`upstream_model` where set) and, for a provider with
+    `credentials`, demands that key (an unset key variable gets a random key for the run).
+    `served_models` / `api_key_env` override that. With `tls_cert` and `tls_key` (PEM files) it
+    serves HTTPS."""
 
     ttft_ms: float = 20
     per_token_ms: float = 2
     block_tokens: int = 512
     cache_blocks: int = 4096
     api_key_env: str | None = None
+    served_models: list[str] | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
 
 
 @dataclass
@@ -141,17 +151,58 @@ class LocalGateway:
             "--ttft-ms", str(sim.ttft_ms), "--per-token-ms", str(sim.per_token_ms),
             "--block-tokens", str(sim.block_tokens), "--cache-blocks", str(sim.cache_blocks),
         ]
-        if sim.api_key_env:
-            argv += ["--api-key-env", sim.api_key_env]
-        process = spawn(f"provider-{name}", argv, self.work_dir, env=self.extproc_env())
+        provider = self.config.provider(name)
+        served = sim.served_models
+        if served is None:
+            served = [entry.upstream_model or model for model, entry in provider.models.items()]
+        if served:
+            argv += ["--model", *served]
+        env = self.extproc_env()
+        key_env = sim.api_key_env or self._simulated_key_env(provider, env)
+        if key_env:
+            argv += ["--api-key-env", key_env]
+        if sim.tls_cert is not None:
+            argv += ["--tls-cert", str(sim.tls_cert), "--tls-key", str(sim.tls_key)]
+        process = spawn(f"provider-{name}", argv, self.work_dir, env=env)
         process.port = port
         return process
+
+    def _simulated_key_env(self, provider: Provider, env: dict[str, str]) -> str | None:
+        """The variable holding the key the simulator of `provider` demands (its credentials'
+        variable, given a random key when unset; a key file's content under a private name)."""
+        credentials = provider.credentials
+        if credentials is None:
+            return None
+        if credentials.api_key_env is not None:
+            if not env.get(credentials.api_key_env):
+                self.env[credentials.api_key_env] = env[credentials.api_key_env] = secrets.token_urlsafe(24)
+            return credentials.api_key_env
+        private = f"IRIS_SIMULATED_KEY_{provider.name.upper().replace('-', '_').replace('.', '_')}"
+        env[private] = Path(credentials.api_key_file).read_text().strip()
+        return private
+
+    def _checks_on_simulators(self, data: dict[str, Any], index: int) -> list[dict[str, Any]]:
+        """The providers of `data` with their health-check and load URLs sent to the simulators;
+        a health check says which instance it comes from (`?client=extproc-<index>`)."""
+        providers = []
+        for entry in data["providers"]:
+            entry = dict(entry)
+            port = self.providers[entry["name"]].port
+            for name in ("health_check", "load"):
+                if entry.get(name):
+                    url = urlsplit(entry[name]["url"])._replace(netloc=f"127.0.0.1:{port}")
+                    if name == "health_check":
+                        url = url._replace(query=f"client=extproc-{index}")
+                    entry[name] = {**entry[name], "url": urlunsplit(url)}
+            providers.append(entry)
+        return providers
 
     def _start_instance(self, index: int, data: dict[str, Any]) -> Instance:
         grpc_port, listener_port, admin_port = free_port(), free_port(), free_port()
         config = dict(data)
         config["redis"] = {**data.get("redis", {}), "url": self.redis_url}
         config["server"] = {**data.get("server", {}), "listen": f"127.0.0.1:{grpc_port}"}
+        config["providers"] = self._checks_on_simulators(data, index)
         config_path = self.work_dir / f"routing-{index}.yaml"
         config_path.write_text(yaml.safe_dump(config, sort_keys=False))
         extproc = spawn(

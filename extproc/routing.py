@@ -68,6 +68,7 @@ class Rejection:
 
     kind: RejectionKind
     message: str
+    param: str | None = None  # the request field at fault, for an UNSUPPORTED rejection
 
 
 class _Retry:
@@ -198,10 +199,7 @@ class Router:
     def reject_request_as_unsupported_or_unavailable(self, request: RoutingRequest) -> Rejection:
         supporting = [p for p in self._providers if self._supports(p, request)]
         if not supporting:
-            features = ", ".join(sorted({request.feature, *request.sub_features}))
-            return Rejection(
-                RejectionKind.UNSUPPORTED, f"no provider serves model '{request.model}' with {features}"
-            )
+            return unsupported_feature_rejection(self._providers, request)
         if all(self.provider_is_degraded(p, request.model) for p in supporting):
             return Rejection(RejectionKind.UNAVAILABLE, f"every provider of model '{request.model}' is degraded")
         return Rejection(RejectionKind.CAPACITY, f"every provider of model '{request.model}' is at capacity")
@@ -225,3 +223,25 @@ class Router:
         """Providers in priority order that support the request and are not degraded."""
         return [p for p in self._providers if self._fits(p, request)]
 
+
+_FEATURE_PARAMS = {"tools": "tools", "vision": "messages", "json_schema": "response_format"}
+
+
+def unsupported_feature_rejection(providers: list[Provider], request: RoutingRequest) -> Rejection:
+    """The 400 answer when no provider serves the model with every feature the request uses: it
+    names the features no provider of the model offers at all, or else the combination."""
+    offered: set[str] = set()
+    for provider in providers:
+        entry = provider.models.get(request.model)
+        if entry is not None:
+            offered |= entry.features
+    wanted = sorted({request.feature, *request.sub_features})
+    missing = [f for f in wanted if f not in offered]
+    if missing:
+        names = " and ".join(missing)
+        message = f"model '{request.model}' does not support {names}: no provider serves it with {names}"
+    else:
+        names = " and ".join(wanted)
+        message = f"model '{request.model}' does not support {names} together: no provider serves that combination"
+    param = next((_FEATURE_PARAMS[f] for f in (missing or wanted) if f in _FEATURE_PARAMS), None)
+    return Rejection(RejectionKind.UNSUPPORTED, message, param)

@@ -27,8 +27,10 @@ from redis.exceptions import RedisError
 
 from extproc import envoy_messages as msg
 from extproc import metrics
+from extproc.adaptation import RequestAdapter
 from extproc.config import Config
 from extproc.degraded import DegradedFlags
+from extproc.health import HealthMonitor
 from extproc.leases import LeaseHolder
 from extproc.openai_request import RequestError, feature_for_path, parse_request, session_id
 from extproc.outage import InstanceRegistry, OutageRouter, RedisBreaker
@@ -60,6 +62,7 @@ class StreamState:
     path: str = ""
     method: str = ""
     user_id: str = ""
+    model: str = ""
     holder: LeaseHolder | None = None
     decision: Decision | None = None
     status: int | None = None
@@ -78,8 +81,14 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
         secret: bytes,
         outage: OutageRouter,
         breaker: RedisBreaker,
+        adapter: RequestAdapter | None = None,
+        health: HealthMonitor | None = None,
     ):
+        """Raises adaptation.CredentialError when no `adapter` is given and a provider's API key
+        cannot be read."""
         self.config = config
+        self.adapter = adapter or RequestAdapter(config)
+        self.health = health
         self.router = router
         self.state = state
         self.secret = secret
@@ -193,7 +202,11 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
         )
         stream.holder.start()
         metrics.DECISIONS.labels(outcome.provider.name, outcome.reason.value).inc()
-        return msg.route_to_cluster(self._routing_header, outcome.provider.cluster)
+        stream.model = parsed.model
+        change = self.adapter.adapt(outcome.provider, parsed.model, parsed.body)
+        return msg.route_to_cluster(
+            self._routing_header, outcome.provider.cluster, change.set_headers, change.remove, change.body
+        )
 
     async def _decide(self, request: RoutingRequest) -> Decision | Rejection | ProcessingResponse:
         started = time.perf_counter()
@@ -227,6 +240,8 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
             stream.status = int(headers.get(":status", "0"))
         except ValueError:
             stream.status = 0
+        if self.health is not None and stream.decision is not None:
+            self.health.observe(stream.decision.provider, stream.model, stream.status)
         extra = None
         if self.config.server.expose_routing_headers and stream.decision is not None:
             extra = {"x-iris-provider": stream.decision.provider.name, "x-iris-route-reason": stream.decision.reason.value}
@@ -255,7 +270,7 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
     def _reject_routing(self, rejection: Rejection, model: str) -> ProcessingResponse:
         metrics.REJECTIONS.labels(rejection.kind.value).inc()
         if rejection.kind is RejectionKind.UNSUPPORTED:
-            body = msg.openai_error_body(rejection.message, "invalid_request_error", "unsupported_feature")
+            body = msg.openai_error_body(rejection.message, "invalid_request_error", "unsupported_feature", rejection.param)
             return msg.immediate_json(400, body)
         headers = {"retry-after": str(self.config.server.retry_after_seconds)}
         if rejection.kind is RejectionKind.CAPACITY:
@@ -277,7 +292,10 @@ class Gateway:
         self.registry = InstanceRegistry(self.redis, config.redis.key_prefix, ttl_seconds=config.redis.instance_heartbeat_seconds * 5)
         self.breaker = RedisBreaker(self.redis)
         self.outage = OutageRouter(config, self.router, self.registry)
-        self.processor = ExternalProcessor(config, self.router, self.state, secret, self.outage, self.breaker)
+        self.health = HealthMonitor(config, self.redis, self.degraded)
+        self.processor = ExternalProcessor(
+            config, self.router, self.state, secret, self.outage, self.breaker, health=self.health
+        )
         self.server = grpc.aio.server(
             options=[
                 ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE_BYTES),
@@ -300,6 +318,7 @@ class Gateway:
             asyncio.create_task(self._heartbeat_forever()),
             asyncio.create_task(self._probe_forever()),
         ]
+        self.health.start()
         await self.server.start()
         log.info("ext_proc server listening on %s", self.config.server.listen)
 
@@ -333,6 +352,7 @@ class Gateway:
         log.info("draining: up to %s s for open streams", self.config.server.drain_grace_seconds)
         await self.server.stop(self.config.server.drain_grace_seconds)
         await self.processor.wait_for_releases()
+        await self.health.close()
         for task in self._background:
             task.cancel()
         try:

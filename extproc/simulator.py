@@ -20,7 +20,8 @@ Model of the work:
   every ``per_token_ms`` after that.
 
 Control and observation endpoints: ``GET /stats``, ``POST /stats/reset``, ``POST /control/fail``,
-``POST /control/clear``, ``GET /health`` and ``POST /control/health`` (see `build_app`).
+``POST /control/clear``, ``GET /health``, ``POST /control/health``, ``GET /metrics`` and
+``POST /control/load`` (see `build_app`). With ``--tls-cert``/``--tls-key`` it serves HTTPS.
 
 Run it with ``python -m extproc.simulator --name iris-1 --port 8001`` (see `main`).
 """
@@ -36,6 +37,7 @@ import logging
 import os
 import signal
 import socket
+import ssl
 import struct
 import sys
 import time
@@ -108,6 +110,8 @@ class SimulatorState:
         the prompt tokens; completion tokens count what was actually sent).
     last_request_headers: headers (lowercase name -> value) of the last 50 inference requests.
     last_request_models: the ``model`` values of the last 50 inference requests, as received.
+    health_checks / health_checks_failed: ``GET /health`` requests, and those answered 503;
+    health_checks_failed_by_client: the same per ``client`` query parameter (``/health?client=x``).
     """
 
     in_flight: int = 0
@@ -123,6 +127,9 @@ class SimulatorState:
         default_factory=lambda: deque(maxlen=RECENT_REQUESTS)
     )
     last_request_models: deque[Any] = field(default_factory=lambda: deque(maxlen=RECENT_REQUESTS))
+    health_checks: int = 0
+    health_checks_failed: int = 0
+    health_checks_failed_by_client: dict[str, int] = field(default_factory=dict)
 
     def request_started(self, headers: Iterable[tuple[str, str]]) -> _Exchange:
         """Count a request whose handler starts, remembering its headers."""
@@ -153,6 +160,8 @@ class SimulatorState:
         self.max_in_flight = self.in_flight
         self.max_in_flight_by_model = dict(self.in_flight_by_model)
         self.requests = self.prompt_tokens = self.cached_tokens = self.completion_tokens = 0
+        self.health_checks = self.health_checks_failed = 0
+        self.health_checks_failed_by_client.clear()
         self.requests_by_status.clear()
         self.last_request_headers.clear()
         self.last_request_models.clear()
@@ -171,6 +180,9 @@ class SimulatorState:
             "completion_tokens": self.completion_tokens,
             "last_request_headers": list(self.last_request_headers),
             "last_request_models": list(self.last_request_models),
+            "health_checks": self.health_checks,
+            "health_checks_failed": self.health_checks_failed,
+            "health_checks_failed_by_client": dict(self.health_checks_failed_by_client),
         }
 
 
@@ -582,6 +594,7 @@ class _Service:
         self.cache = PrefixCache(config.block_tokens, config.cache_blocks)
         self.faults = _FaultInjector()
         self.healthy = True
+        self.waiting: dict[str, float] = {}
 
     # -- inference --------------------------------------------------------------------------
 
@@ -750,9 +763,42 @@ class _Service:
         return await self.stats(request)
 
     async def health(self, request: web.Request) -> web.Response:
+        self.state.health_checks += 1
         if self.healthy:
             return _json_response({"status": "ok"})
+        self.state.health_checks_failed += 1
+        client = request.query.get("client", "")
+        by_client = self.state.health_checks_failed_by_client
+        by_client[client] = by_client.get(client, 0) + 1
         return _json_response({"status": "unhealthy"}, status=503)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        """Prometheus text, vLLM's names: requests running (in flight) and waiting (as set by
+        ``POST /control/load``) per ``model_name``."""
+        lines = ["# TYPE vllm:num_requests_running gauge"]
+        for model, count in sorted(self.state.in_flight_by_model.items()):
+            lines.append(f'vllm:num_requests_running{{model_name="{_label(model)}"}} {count}')
+        lines.append("# TYPE vllm:num_requests_waiting gauge")
+        for model, count in sorted(self.waiting.items()):
+            lines.append(f'vllm:num_requests_waiting{{model_name="{_label(model)}"}} {count:g}')
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+
+    async def set_load(self, request: web.Request) -> web.Response:
+        """``{"waiting": 12, "model": "m"}``: the waiting-queue gauge of ``model`` (default: the
+        first served model name, else ``default``)."""
+        try:
+            body = await _read_json_object(request)
+            waiting = body.get("waiting")
+            if isinstance(waiting, bool) or not isinstance(waiting, (int, float)) or waiting < 0:
+                raise _invalid("'waiting' must be a number >= 0")
+            default = (self.config.served_model_names or ["default"])[0]
+            model = body.get("model", default)
+            if not isinstance(model, str):
+                raise _invalid("'model' must be a string")
+        except _ApiError as error:
+            return error.response()
+        self.waiting[model] = float(waiting)
+        return _json_response({"model": model, "waiting": waiting})
 
     async def set_health(self, request: web.Request) -> web.Response:
         try:
@@ -777,6 +823,10 @@ class _Service:
         return _json_response({"status": "ok"})
 
 
+def _label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
 def _parse_fault(body: dict[str, Any]) -> tuple[_Fault, int]:
     """``{"status": 503, "count": 5}`` or ``{"mode": "reset", "count": N}``; count defaults to
     1, -1 means until cleared; status defaults to 503."""
@@ -799,7 +849,8 @@ def build_app(config: SimulatorConfig) -> web.Application:
     ``POST /v1/responses``; ``GET /stats`` (the `SimulatorState` snapshot plus ``name``),
     ``POST /stats/reset``; ``POST /control/fail`` with ``{"status": 503, "count": 5}`` or
     ``{"mode": "reset", "count": N}`` (count -1: until cleared), ``POST /control/clear``;
-    ``GET /health`` (200, or 503 after ``POST /control/health {"healthy": false}``).
+    ``GET /health`` (200, or 503 after ``POST /control/health {"healthy": false}``);
+    ``GET /metrics`` (Prometheus text) and ``POST /control/load {"waiting": N}``.
 
     Run it with ``handler_cancellation=True`` (as `start_simulator` does) so that a client
     disconnect ends a waiting request at once rather than when its answer would be due.
@@ -824,6 +875,8 @@ def build_app(config: SimulatorConfig) -> web.Application:
             web.post("/control/health", service.set_health),
             web.post("/control/fail", service.arm_fault),
             web.post("/control/clear", service.clear_faults),
+            web.get("/metrics", service.metrics),
+            web.post("/control/load", service.set_load),
         ]
     )
     return app
@@ -833,10 +886,10 @@ class RunningSimulator:
     """A simulator serving in this process: `port` (int), `url` (``http://host:port``, no
     trailing slash), `state` (its live `SimulatorState`); `stop` shuts it down."""
 
-    def __init__(self, runner: web.AppRunner, host: str, port: int, state: SimulatorState):
+    def __init__(self, runner: web.AppRunner, host: str, port: int, state: SimulatorState, scheme: str = "http"):
         self._runner = runner
         self.port = port
-        self.url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+        self.url = f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
         self.state = state
 
     async def stop(self) -> None:
@@ -845,20 +898,22 @@ class RunningSimulator:
 
 
 async def start_simulator(
-    config: SimulatorConfig, host: str = "127.0.0.1", port: int = 0
+    config: SimulatorConfig, host: str = "127.0.0.1", port: int = 0, ssl_context: ssl.SSLContext | None = None
 ) -> RunningSimulator:
-    """Serve a simulator on `host`:`port` (0: a free port) in the running event loop."""
+    """Serve a simulator on `host`:`port` (0: a free port) in the running event loop; over TLS
+    (HTTPS) with `ssl_context`."""
     app = build_app(config)
     runner = web.AppRunner(
         app, access_log=None, handler_cancellation=True, shutdown_timeout=_SHUTDOWN_TIMEOUT_S
     )
     await runner.setup()
     try:
-        await web.TCPSite(runner, host, port, backlog=_LISTEN_BACKLOG).start()
+        await web.TCPSite(runner, host, port, backlog=_LISTEN_BACKLOG, ssl_context=ssl_context).start()
     except BaseException:
         await runner.cleanup()
         raise
-    return RunningSimulator(runner, host, runner.addresses[0][1], app[STATE_KEY])
+    scheme = "https" if ssl_context is not None else "http"
+    return RunningSimulator(runner, host, runner.addresses[0][1], app[STATE_KEY], scheme)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -866,7 +921,7 @@ async def start_simulator(
 # ---------------------------------------------------------------------------------------------
 
 
-def _parse_args(argv: list[str] | None) -> tuple[SimulatorConfig, str, int]:
+def _parse_args(argv: list[str] | None) -> tuple[SimulatorConfig, str, int, ssl.SSLContext | None]:
     parser = argparse.ArgumentParser(
         prog="python -m extproc.simulator",
         description="A simulated OpenAI-compatible inference deployment.",
@@ -885,7 +940,15 @@ def _parse_args(argv: list[str] | None) -> tuple[SimulatorConfig, str, int]:
         "--model", dest="models", action="extend", nargs="+", metavar="NAME",
         help="model name served (repeatable); default: any",
     )
+    parser.add_argument("--tls-cert", metavar="PEM", help="serve HTTPS with this certificate (chain)")
+    parser.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
     args = parser.parse_args(argv)
+    if (args.tls_cert is None) != (args.tls_key is None):
+        parser.error("--tls-cert and --tls-key go together")
+    ssl_context = None
+    if args.tls_cert is not None:
+        ssl_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ssl_context.load_cert_chain(args.tls_cert, args.tls_key)
     api_key = None
     if args.api_key_env is not None:
         api_key = os.environ.get(args.api_key_env)
@@ -902,15 +965,17 @@ def _parse_args(argv: list[str] | None) -> tuple[SimulatorConfig, str, int]:
         required_api_key=api_key,
         served_model_names=args.models,
     )
-    return config, args.host, args.port
+    return config, args.host, args.port, ssl_context
 
 
-async def _serve_until_signalled(config: SimulatorConfig, host: str, port: int) -> None:
+async def _serve_until_signalled(
+    config: SimulatorConfig, host: str, port: int, ssl_context: ssl.SSLContext | None = None
+) -> None:
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stopping.set)
-    simulator = await start_simulator(config, host, port)
+    simulator = await start_simulator(config, host, port, ssl_context)
     _log.info("%s listening on %s", config.name, simulator.url)
     try:
         await stopping.wait()
@@ -921,12 +986,13 @@ async def _serve_until_signalled(config: SimulatorConfig, host: str, port: int) 
 def main(argv: list[str] | None = None) -> None:
     """CLI: ``python -m extproc.simulator --name iris-1 --port 8001 [--host 127.0.0.1]
     [--ttft-ms 50] [--per-token-ms 5] [--block-tokens 512] [--cache-blocks 4096]
-    [--api-key-env VAR] [--model NAME ...]``. Serves until SIGTERM or SIGINT, then exits 0."""
-    config, host, port = _parse_args(argv)
+    [--api-key-env VAR] [--model NAME ...] [--tls-cert PEM --tls-key PEM]``. Serves until
+    SIGTERM or SIGINT, then exits 0."""
+    config, host, port, ssl_context = _parse_args(argv)
     logging.basicConfig(
         stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(name)s %(message)s"
     )
-    asyncio.run(_serve_until_signalled(config, host, port))
+    asyncio.run(_serve_until_signalled(config, host, port, ssl_context))
 
 
 if __name__ == "__main__":

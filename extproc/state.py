@@ -138,8 +138,12 @@ class Keyspace:
     def provider_leases(self, model: str, provider: str) -> str:
         return f"{self.tag(model)}:leases:{provider}"
 
-    def degraded(self, model: str, provider: str) -> str:
-        return f"{self.tag(model)}:degraded:{provider}"
+    def degraded(self, model: str, provider: str, source: str = "manual") -> str:
+        """One flag per source (manual, health, passive, load), so clearing one keeps the others."""
+        return f"{self.tag(model)}:degraded:{provider}:{source}"
+
+    def upstream_failures(self, model: str, provider: str) -> str:
+        return f"{self.tag(model)}:failures:{provider}"
 
 
 def connect(url: str, timeout_seconds: float = 0.5, max_connections: int = 64) -> Redis:

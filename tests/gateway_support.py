@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 import time
+from pathlib import Path
 
 import httpx
+import pytest
 import redis
 
 from extproc.local_gateway import LocalGateway, ProviderSimulation
@@ -86,3 +90,30 @@ def post(gateway: LocalGateway, path: str, user: str = "u", instance: int = 0, *
 
 def provider_stats(gateway: LocalGateway, name: str) -> dict:
     return httpx.get(f"{gateway.provider_url(name)}/stats", timeout=5).json()
+
+
+def self_signed_certificate(directory: Path, host: str = "localhost") -> tuple[Path, Path]:
+    """A self-signed certificate for `host` (P-256, one day) and its key, made with the openssl
+    command: (cert.pem, key.pem) in `directory`. Skips the test when openssl is missing."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("the openssl command is needed to make a test certificate")
+    cert, key = directory / "cert.pem", directory / "key.pem"
+    subprocess.run(
+        [openssl, "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+         "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", f"/CN={host}",
+         "-addext", f"subjectAltName=DNS:{host}"],
+        check=True, capture_output=True,
+    )
+    return cert, key
+
+
+def wait_until(predicate, within_seconds: float, interval_seconds: float = 0.02):
+    """Poll `predicate` until it returns something truthy (returned) or `within_seconds` pass
+    (then the last falsy value is returned)."""
+    deadline = time.monotonic() + within_seconds
+    while True:
+        value = predicate()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(interval_seconds)

@@ -4,6 +4,7 @@ No Docker engine runs here, so compose.yaml is checked by reading it."""
 from __future__ import annotations
 
 import subprocess
+from urllib.parse import urlsplit
 
 import yaml
 
@@ -60,3 +61,27 @@ def test_compose_runs_the_same_files_and_ports():
 def test_admin_interface_listens_on_loopback_only():
     bootstrap = envoy_config.load_envoy_yaml(ENVOY)
     assert bootstrap["admin"]["address"]["socket_address"]["address"] == "127.0.0.1"
+
+
+def test_example_health_and_load_urls_use_the_provider_cluster_ports():
+    config = load_config(EXAMPLE)
+    bootstrap = envoy_config.load_envoy_yaml(ENVOY)
+    checked = 0
+    for provider in config.providers:
+        for check in (provider.health_check, provider.load):
+            if check is not None:
+                assert urlsplit(check.url).port == envoy_config.cluster_port(bootstrap, provider.cluster)
+                checked += 1
+    assert checked == 4
+
+
+def test_compose_gives_the_third_party_key_to_the_router_and_the_simulated_provider():
+    services = yaml.safe_load((ROOT / "compose.yaml").read_text())["services"]
+    tensorx = load_config(EXAMPLE).provider("tensorx")
+    variable = tensorx.credentials.api_key_env
+    assert variable in services["extproc"]["environment"]
+    assert variable in services["tensorx"]["environment"]
+    command = services["tensorx"]["command"]
+    assert command[command.index("--api-key-env") + 1] == variable
+    served = command[command.index("--model") + 1:]
+    assert [entry.upstream_model or model for model, entry in tensorx.models.items()] == served

@@ -1,0 +1,101 @@
+"""Per-provider request adaptation, applied in the request-body answer once a provider is chosen.
+
+Clients talk to one OpenAI endpoint with the gateway's model names; each provider may name a
+model its own way and want its own API key. For the chosen (provider, model) this module gives:
+
+- the body with `model` rewritten to the pair's `upstream_model` (None when there is none, so
+  the body goes on untouched; the caller sets `content-length` with a new body);
+- the provider's credential header (`authorization: Bearer <key>` or a configured header) read
+  once at start-up from an environment variable or a file, never from the configuration file;
+- the client's own credential headers (`adaptation.client_credential_headers`) to remove, so a
+  client's key never reaches a provider.
+
+A key never appears in a log line, an error, a metric or a repr: errors name the variable or the
+file, never the value.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import orjson
+
+from extproc.config import Config, Credentials, Provider
+
+
+class CredentialError(RuntimeError):
+    """A provider's API key cannot be read (variable unset, file missing or empty, bad value)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Adaptation:
+    """What to change in a request before it leaves for one provider: headers to set (one may
+    hold a key: the repr hides values), headers to remove, and the new body or None."""
+
+    set_headers: dict[str, str] = field(default_factory=dict)
+    remove: list[str] = field(default_factory=list)
+    body: bytes | None = None
+
+    def __repr__(self) -> str:
+        hidden = {name: "<redacted>" for name in self.set_headers}
+        size = None if self.body is None else len(self.body)
+        return f"Adaptation(set_headers={hidden}, remove={self.remove}, body_bytes={size})"
+
+
+class RequestAdapter:
+    """Builds each request's `Adaptation`. Reads every provider's key at construction.
+
+    Raises CredentialError when a configured key cannot be read."""
+
+    def __init__(self, config: Config, environ: Mapping[str, str] | None = None):
+        environ = os.environ if environ is None else environ
+        self._client_headers = [h.lower() for h in config.adaptation.client_credential_headers]
+        self._credentials: dict[str, tuple[str, str]] = {}
+        for provider in config.providers:
+            if provider.credentials is not None:
+                key = read_api_key(provider.name, provider.credentials, environ)
+                header = provider.credentials.header
+                self._credentials[provider.name] = (header, provider.credentials.header_prefix() + key)
+        self._upstream_models = {
+            (p.name, model): entry.upstream_model
+            for p in config.providers
+            for model, entry in p.models.items()
+            if entry.upstream_model and entry.upstream_model != model
+        }
+
+    def adapt(self, provider: Provider, model: str, body: dict) -> Adaptation:
+        """The changes for sending the request `body` (decoded JSON object) for `model` to
+        `provider`. Raises nothing: `body` was decoded from JSON, so it encodes again."""
+        headers: dict[str, str] = {}
+        credential = self._credentials.get(provider.name)
+        if credential is not None:
+            headers[credential[0]] = credential[1]
+        remove = [h for h in self._client_headers if h not in headers]
+        upstream = self._upstream_models.get((provider.name, model))
+        new_body = None
+        if upstream is not None:
+            new_body = orjson.dumps({**body, "model": upstream})
+        return Adaptation(headers, remove, new_body)
+
+
+def read_api_key(provider: str, credentials: Credentials, environ: Mapping[str, str]) -> str:
+    """The key of `provider` from its variable or file, surrounding whitespace dropped. Raises
+    CredentialError naming the variable or file (never the value)."""
+    if credentials.api_key_env is not None:
+        where = f"environment variable {credentials.api_key_env}"
+        value = environ.get(credentials.api_key_env, "")
+    else:
+        where = f"file {credentials.api_key_file}"
+        try:
+            value = Path(credentials.api_key_file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise CredentialError(f"provider {provider}: cannot read the API key {where}: {type(exc).__name__}") from None
+    value = value.strip()
+    if not value:
+        raise CredentialError(f"provider {provider}: the API key {where} is not set or empty")
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in value):
+        raise CredentialError(f"provider {provider}: the API key {where} holds control characters")
+    return value

@@ -1,0 +1,270 @@
+"""Automatic degradation of managed providers: active health checks, passive failure counting
+and a load gauge. Every ext_proc instance runs them; the state lives in Redis as degraded flags
+(extproc.degraded), one source each, so every instance routes by the same flags within one
+refresh interval and one source never clears another's (nor an operator's drain).
+
+- Active (`health`): a GET of the provider's `health_check.url` every `interval_seconds`. After
+  `failures_before_degraded` failures in a row this instance sets the provider's health flag on
+  every model, renewing it at every check while it fails, with a TTL of `flag_ttl_intervals`
+  intervals (or timeouts, if longer): a checker that dies stops renewing and the flag expires. After
+  `successes_before_healthy` successes in a row this instance clears it. A provider is degraded
+  while any instance sees it failing.
+- Passive (`passive`): an upstream 5xx answer (Envoy answers 503 itself on a connection failure
+  or a reset before the response headers) is recorded in the pair's sliding window in Redis, over
+  every instance (lua/upstream_failure.lua, one round trip per failure, none per success). When
+  the window holds `degradation.passive.failures`, the pair is degraded for `cooldown_seconds`.
+- Load (`load`): a gauge read from the provider's Prometheus endpoint; over `threshold` the
+  pair is degraded until the gauge is back at or below `recover_below`.
+
+Unlimited providers are never degraded (the spec): they get no checks and no failure counting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from urllib.parse import urlsplit, urlunsplit
+
+import aiohttp
+from prometheus_client import Counter
+from prometheus_client.parser import text_string_to_metric_families
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from extproc.config import Config, HealthCheck, LoadGauge, Provider, ProviderKind
+from extproc.degraded import HEALTH, LOAD, PASSIVE, DegradedFlags
+from extproc.state import Keyspace, script_source
+
+log = logging.getLogger(__name__)
+
+HEALTH_CHECKS = Counter("iris_health_checks_total", "Active health checks, by provider and result", ["provider", "result"])
+UPSTREAM_FAILURES = Counter(
+    "iris_upstream_failures_total", "Upstream failures seen by the passive check, by provider and model", ["provider", "model"]
+)
+DEGRADATIONS = Counter(
+    "iris_automatic_degradations_total", "Times this instance marked a pair degraded, by source", ["provider", "source"]
+)
+
+
+class Streak:
+    """Consecutive check results of one provider: degraded after `failures_before_degraded`
+    failures in a row, healthy again after `successes_before_healthy` successes in a row."""
+
+    def __init__(self, failures_before_degraded: int, successes_before_healthy: int):
+        self.failures_before_degraded = failures_before_degraded
+        self.successes_before_healthy = successes_before_healthy
+        self.degraded = False
+        self.failures = 0
+        self.successes = 0
+
+    def record(self, ok: bool) -> bool:
+        """Count one result; returns whether the provider is degraded now."""
+        if ok:
+            self.successes, self.failures = self.successes + 1, 0
+            if self.degraded and self.successes >= self.successes_before_healthy:
+                self.degraded = False
+        else:
+            self.failures, self.successes = self.failures + 1, 0
+            if self.failures >= self.failures_before_degraded:
+                self.degraded = True
+        return self.degraded
+
+
+def gauge_values(text: str, gauge: LoadGauge, upstream_names: dict[str, str]) -> dict[str, float]:
+    """Per model, the gauge read from a Prometheus text exposition: the sum of the samples named
+    `gauge.metric`, or with `gauge.model_label`, of those whose label equals the model's
+    upstream name (`upstream_names`: model -> upstream name). A model without samples reads 0.
+    Raises ValueError for text that does not parse."""
+    total = 0.0
+    by_label: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name != gauge.metric:
+                continue
+            total += sample.value
+            if gauge.model_label is not None:
+                label = sample.labels.get(gauge.model_label)
+                if label is not None:
+                    by_label[label] = by_label.get(label, 0.0) + sample.value
+    if gauge.model_label is None:
+        return {model: total for model in upstream_names}
+    return {model: by_label.get(name, 0.0) for model, name in upstream_names.items()}
+
+
+def over_threshold(value: float, was_over: bool, threshold: float, recover_below: float) -> bool:
+    """Whether a load gauge reading keeps (or puts) its pair degraded: above `threshold`, or
+    still above `recover_below` after being over (hysteresis)."""
+    return value > threshold or (was_over and value > recover_below)
+
+
+def display_url(url: str) -> str:
+    """`url` without user info and query, for reasons and logs (they may hold secrets)."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    if parts.port:
+        host = f"{host}:{parts.port}"
+    return urlunsplit((parts.scheme, host, parts.path, "", ""))
+
+
+class HealthMonitor:
+    """The automatic degradation sources of one ext_proc instance. `start()` begins the active
+    and load checks, `observe()` feeds the passive one, `close()` stops everything."""
+
+    def __init__(self, config: Config, redis: Redis, flags: DegradedFlags):
+        self.config = config
+        self.redis = redis
+        self.flags = flags
+        self.keys = Keyspace(config.redis.key_prefix)
+        self.passive = config.degradation.passive
+        self._ttl_intervals = config.degradation.flag_ttl_intervals
+        self._record = redis.register_script(script_source("upstream_failure"))
+        self._managed = {p.name for p in config.providers if p.kind is ProviderKind.MANAGED}
+        self._tasks: set[asyncio.Task] = set()
+        self._http: aiohttp.ClientSession | None = None
+
+    def start(self) -> None:
+        """Start one task per configured health check and load gauge (managed providers only)."""
+        checks = [p for p in self.config.providers if p.name in self._managed and (p.health_check or p.load)]
+        if not checks:
+            return
+        # A fresh connection per probe: a probe also checks that the provider accepts connections.
+        self._http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))
+        for provider in checks:
+            if provider.health_check is not None:
+                self._spawn(self._run_health_check(provider, provider.health_check))
+            if provider.load is not None:
+                self._spawn(self._run_load_gauge(provider, provider.load))
+
+    async def close(self) -> None:
+        """Stop the checks and any failure still being recorded (a lost record only delays a
+        degradation)."""
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._http is not None:
+            await self._http.close()
+
+    def observe(self, provider: Provider, model: str, status: int | None) -> None:
+        """Passive check: the response status of a request sent to (provider, model), or None
+        when the stream ended without response headers. A 5xx is recorded in the background
+        (the response is never delayed); anything else is ignored."""
+        if status is None or status < 500 or not self.passive.enabled or provider.name not in self._managed:
+            return
+        UPSTREAM_FAILURES.labels(provider.name, model).inc()
+        self._spawn(self.record_failure(provider.name, model, f"status {status}"))
+
+    async def record_failure(self, provider: str, model: str, what: str) -> bool:
+        """Record one failure of the pair in Redis; returns whether it degraded the pair.
+        A Redis error is logged and answered False (a lost observation only delays detection)."""
+        passive = self.passive
+        reason = f"passive: {passive.failures} upstream failures within {passive.window_seconds:g} s (last: {what})"
+        keys = [self.keys.upstream_failures(model, provider), self.keys.degraded(model, provider, PASSIVE)]
+        args = [uuid.uuid4().hex, round(passive.window_seconds * 1000), passive.failures,
+                round(passive.cooldown_seconds * 1000), reason]
+        try:
+            degraded, _ = await self._record(keys=keys, args=args)
+        except RedisError as exc:
+            log.warning("upstream failure of %s %s not recorded: %s", provider, model, exc)
+            return False
+        if degraded:
+            DEGRADATIONS.labels(provider, PASSIVE).inc()
+            log.warning("%s %s degraded for %g s: %s", provider, model, passive.cooldown_seconds, reason)
+            try:
+                await self.flags.refresh()  # this instance avoids it at once, not at the next tick
+            except RedisError:
+                pass
+        return bool(degraded)
+
+    def _spawn(self, coroutine) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _run_health_check(self, provider: Provider, check: HealthCheck) -> None:
+        streak = Streak(check.failures_before_degraded, check.successes_before_healthy)
+        pairs = self.flags.pairs(provider.name)
+        # A failing probe may take its whole timeout: the TTL covers the longer of the two.
+        ttl = max(check.interval_seconds, check.timeout_seconds) * self._ttl_intervals
+        url = display_url(check.url)
+        last_failure = ""
+        must_clear = False
+        loop = asyncio.get_running_loop()
+        while True:
+            started = loop.time()
+            ok, detail = await self._probe(check.url, url, check.timeout_seconds)
+            HEALTH_CHECKS.labels(provider.name, "ok" if ok else "failed").inc()
+            was_degraded = streak.degraded
+            if not ok:
+                last_failure = detail
+            try:
+                if streak.record(ok):
+                    if ok:
+                        reason = (f"health: recovering, {streak.successes} of {check.successes_before_healthy} "
+                                  f"successes (last failure: {last_failure})")
+                    else:
+                        reason = f"health: {detail} ({streak.failures} failures in a row)"
+                    await self.flags.set_many(pairs, reason, ttl, HEALTH)
+                    if not was_degraded:
+                        DEGRADATIONS.labels(provider.name, HEALTH).inc()
+                        log.warning("%s degraded: %s", provider.name, reason)
+                elif was_degraded or must_clear:
+                    must_clear = True
+                    await self.flags.clear_many(pairs, HEALTH)
+                    must_clear = False
+                    log.warning("%s healthy again: %s", provider.name, detail)
+            except RedisError as exc:
+                log.warning("health state of %s not written: %s", provider.name, exc)
+            await asyncio.sleep(max(0.0, check.interval_seconds - (loop.time() - started)))
+
+    async def _probe(self, url: str, shown: str, timeout_seconds: float) -> tuple[bool, str]:
+        try:
+            timeout = aiohttp.ClientTimeout(total=timeout_seconds)
+            async with self._http.get(url, timeout=timeout, allow_redirects=False) as response:
+                return 200 <= response.status < 300, f"GET {shown} -> {response.status}"
+        except asyncio.TimeoutError:
+            return False, f"GET {shown}: no answer within {timeout_seconds:g} s"
+        except aiohttp.ClientError as exc:
+            return False, f"GET {shown}: {type(exc).__name__}"
+
+    async def _run_load_gauge(self, provider: Provider, gauge: LoadGauge) -> None:
+        upstream_names = {model: entry.upstream_model or model for model, entry in provider.models.items()}
+        recover_below = gauge.threshold if gauge.recover_below is None else gauge.recover_below
+        ttl = max(gauge.interval_seconds, gauge.timeout_seconds) * self._ttl_intervals
+        url = display_url(gauge.url)
+        over: dict[str, bool] = {}
+        reachable = True
+        loop = asyncio.get_running_loop()
+        while True:
+            started = loop.time()
+            try:
+                timeout = aiohttp.ClientTimeout(total=gauge.timeout_seconds)
+                async with self._http.get(gauge.url, timeout=timeout, allow_redirects=False) as response:
+                    response.raise_for_status()
+                    text = await response.text()
+                values = gauge_values(text, gauge, upstream_names)
+                reachable = True
+            except (asyncio.TimeoutError, aiohttp.ClientError, ValueError) as exc:
+                # Unknown load: renew nothing, so a held flag expires within its TTL.
+                if reachable:
+                    log.warning("load of %s not read from %s: %s", provider.name, url, type(exc).__name__)
+                reachable = False
+                values = {}
+            for model, value in values.items():
+                try:
+                    if over_threshold(value, over.get(model, False), gauge.threshold, recover_below):
+                        reason = f"load: {gauge.metric}={value:g} (degraded above {gauge.threshold:g}"
+                        reason += f", until <= {recover_below:g})" if recover_below != gauge.threshold else ")"
+                        await self.flags.set(provider.name, model, reason, ttl, LOAD)
+                        if not over.get(model):
+                            DEGRADATIONS.labels(provider.name, LOAD).inc()
+                            log.warning("%s %s degraded: %s", provider.name, model, reason)
+                        over[model] = True
+                    elif over.get(model):
+                        await self.flags.clear(provider.name, model, LOAD)
+                        over[model] = False
+                        log.warning("%s %s load back to %g", provider.name, model, value)
+                except RedisError as exc:
+                    log.warning("load state of %s not written: %s", provider.name, exc)
+            await asyncio.sleep(max(0.0, gauge.interval_seconds - (loop.time() - started)))
