@@ -51,14 +51,21 @@ class LeaseHolder:
         self._on_lost = on_lost
         self._release_local = release_local
         self._is_adopted = is_adopted
+        self._first_renewal: asyncio.TimerHandle | None = None
         self._renewal: asyncio.Task | None = None
         self._expires_at = time.monotonic() + lease_timeout_seconds  # the caller's clock
         self._finished = False
         self.lost = False
 
     def start(self) -> None:
-        """Begin renewing in the background (no-op without a lease)."""
-        if self.decision.lease is not None and self._renewal is None:
+        """Begin renewing in the background (no-op without a lease). Most requests end before
+        the first renewal is due, so the renewal task is only created then."""
+        if self.decision.lease is not None and self._first_renewal is None:
+            loop = asyncio.get_running_loop()
+            self._first_renewal = loop.call_later(self._timeout / 3, self._start_renewing)
+
+    def _start_renewing(self) -> None:
+        if not self._finished:
             self._renewal = asyncio.get_running_loop().create_task(self._renew_forever())
 
     async def finish(self, succeeded: bool) -> Result | None:
@@ -68,6 +75,8 @@ class LeaseHolder:
         if self._finished:
             return None
         self._finished = True
+        if self._first_renewal is not None:
+            self._first_renewal.cancel()
         if self._renewal is not None:
             self._renewal.cancel()
         lease = self.decision.lease
@@ -88,24 +97,29 @@ class LeaseHolder:
     async def _renew_forever(self) -> None:
         interval = self._timeout / 3
         while True:
-            await asyncio.sleep(interval)
             if self.decision.local and not (self._is_adopted and self._is_adopted(self.decision.lease)):
                 self._expires_at = time.monotonic() + self._timeout
-                continue
-            renewed_at = time.monotonic()
-            try:
-                update = await self.state.renew_request_lease(self.decision.lease)
-            except RedisError as exc:
-                if time.monotonic() + interval < self._expires_at:
-                    log.warning("lease renewal failed, retrying: %s", exc)
-                    continue
-                log.warning("lease renewals failed until expiry: %s", exc)
+            elif not await self._renew_once(interval):
                 self._report_lost()
                 return
-            if update.result is Result.LEASE_LOST:
-                self._report_lost()
-                return
-            self._expires_at = renewed_at + self._timeout
+            await asyncio.sleep(interval)
+
+    async def _renew_once(self, interval: float) -> bool:
+        """One renewal. False when the lease is lost: Redis says so, or it failed and the next
+        try would come after the lease has expired."""
+        renewed_at = time.monotonic()
+        try:
+            update = await self.state.renew_request_lease(self.decision.lease)
+        except RedisError as exc:
+            if time.monotonic() + interval < self._expires_at:
+                log.warning("lease renewal failed, retrying: %s", exc)
+                return True
+            log.warning("lease renewals failed until expiry: %s", exc)
+            return False
+        if update.result is Result.LEASE_LOST:
+            return False
+        self._expires_at = renewed_at + self._timeout
+        return True
 
     def _report_lost(self) -> None:
         self.lost = True

@@ -213,10 +213,9 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
         try:
             if self.breaker.is_open:
                 return self._decide_during_outage(request)
-            return await asyncio.wait_for(
-                self.router.execute_request(request), timeout=self.config.server.decision_timeout_seconds
-            )
-        except (RedisError, asyncio.TimeoutError) as exc:
+            async with asyncio.timeout(self.config.server.decision_timeout_seconds):
+                return await self.router.execute_request(request)
+        except (RedisError, TimeoutError) as exc:
             self.breaker.trip(exc)
             return self._decide_during_outage(request)
         finally:
