@@ -27,10 +27,12 @@ EXAMPLE_CONFIG = Path(__file__).resolve().parent.parent / "envoy" / "example-con
 
 @dataclass
 class ProviderSimulation:
-    """How to simulate one provider: delays in milliseconds, prefix-cache size in blocks."""
+    """How to simulate one provider: delays in milliseconds (`prefill_ms_per_token`: per prompt
+    token missing from the prefix cache), prefix-cache size in blocks."""
 
     ttft_ms: float = 20
     per_token_ms: float = 2
+    prefill_ms_per_token: float = 0
     block_tokens: int = 512
     cache_blocks: int = 4096
     api_key_env: str | None = None
@@ -131,6 +133,7 @@ class LocalGateway:
         argv = [
             sys.executable, "-m", "extproc.simulator", "--name", name, "--port", str(port),
             "--ttft-ms", str(sim.ttft_ms), "--per-token-ms", str(sim.per_token_ms),
+            "--prefill-ms-per-token", str(sim.prefill_ms_per_token),
             "--block-tokens", str(sim.block_tokens), "--cache-blocks", str(sim.cache_blocks),
         ]
         if sim.api_key_env:
