@@ -357,8 +357,13 @@ def _clean(value: Any) -> Any:
     return value
 
 
+def load_average() -> float:
+    """The machine's 1-minute load average (runnable processes; 2 cores here)."""
+    return float(Path("/proc/loadavg").read_text().split()[0])
+
+
 def machine_description() -> dict[str, Any]:
-    """nproc, memory (GiB) and CPU model of this machine."""
+    """nproc, memory (GiB), CPU model of this machine, and its 1-minute load average now."""
     model = ""
     for line in Path("/proc/cpuinfo").read_text().splitlines():
         if line.startswith("model name"):
@@ -368,7 +373,8 @@ def machine_description() -> dict[str, Any]:
     for line in Path("/proc/meminfo").read_text().splitlines():
         if line.startswith("MemTotal:"):
             mem_kib = int(line.split()[1])
-    return {"nproc": os.cpu_count(), "memory_gib": round(mem_kib / 1024 / 1024, 1), "cpu_model": model}
+    return {"nproc": os.cpu_count(), "memory_gib": round(mem_kib / 1024 / 1024, 1), "cpu_model": model,
+            "load_average_1min": load_average()}
 
 
 # ---------------------------------------------------------------------------------------------

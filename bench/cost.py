@@ -10,14 +10,18 @@ renewed during a run. Then the load generator (its own process) sends short chat
 * `pinned`: users whose sessions were pre-loaded (get_pin, admit_pinned, release);
 * `new`: a new user, so a new session and pin, every request (get_pin, admit_unpinned, release).
 
-Around each phase it reads `INFO commandstats` (calls of every command, including those run
-inside scripts), the Redis slow log with a 0 us threshold (every command with its server time;
-commands run inside a script carry the address `?:0`, so client round trips can be told apart and
-each EVALSHA is attributed to its script by sha), and /proc/<pid>/stat CPU time of ext_proc,
-Envoy, Redis and the upstream. Before the phases, the scripts of `--script-calls` requests of each
-kind also run alone, one call at a time, for their server time without CPU contention. Prints per size and phase: client round trips per request, script
-calls per request, Redis commands executed per request, server time per script call (us: mean,
-p50, p99), and CPU per request (ms) of each process, with the requests/s one ext_proc core sustains.
+Around each phase it reads `INFO commandstats` (calls and server time of every command, those run
+inside scripts included) and /proc/<pid>/stat CPU time of ext_proc, Envoy, Redis and the upstream.
+Client round trips are the calls of commands that no script runs: which commands the scripts run
+inside Redis is learnt once from the slow log at a 0 us threshold (a script's commands carry the
+client address `?:0`). After the pinned phase, `--script-calls` calls of each script also run
+alone, one at a time, with `INFO commandstats` reset before each script: the server time per call
+of that script without CPU contention from the gateway, and the client's round trip.
+
+Prints per size and phase: client round trips per request (by command), script calls per request,
+Redis commands executed per request, EVALSHA server time per call under load (us), CPU per request
+(ms) of each process and the requests/s one ext_proc core sustains; then per size and script the
+server time per call alone (us).
 
     python -m bench.cost --pins 1000,100000 --leases 10000 --rate 200 --requests 3000 --json out/cost.json
 """
@@ -39,6 +43,7 @@ from bench.common import (
     command_delta,
     command_stats,
     cpu_seconds,
+    load_average,
     machine_description,
     percentile,
     print_figure,
@@ -162,7 +167,9 @@ async def _script_sequence(redis_url: str, config_data: dict, sessions: list[str
         await client.aclose()
 
 
-async def _time_scripts(redis_url: str, config_data: dict, sessions: list[str], fresh: list[str], client: redis.Redis) -> dict:
+async def _time_scripts(
+    redis_url: str, config_data: dict, sessions: list[str], fresh: list[str], client: redis.Redis
+) -> dict:
     """Each script kind `len(sessions)` times in a row, one call at a time: server time per call
     (us, INFO commandstats of EVALSHA, reset before each kind) and the client's round trip (us)."""
     aclient = connect(redis_url, timeout_seconds=30, max_connections=4)
@@ -187,7 +194,8 @@ async def _time_scripts(redis_url: str, config_data: dict, sessions: list[str], 
     try:
         await state.load_scripts()
         await timed("get_pin", [lambda sid=sid: state.get_pin(MODEL, sid) for sid in sessions])
-        await timed("admit_pinned", [lambda sid=sid: state.try_admit_pinned_session_request(MODEL, sid) for sid in sessions])
+        await timed("admit_pinned", [lambda sid=sid: state.try_admit_pinned_session_request(MODEL, sid)
+                                     for sid in sessions])
         await timed("release", [lambda lease=lease: state.release_request_lease(lease, refresh_pin=True)
                                 for lease in held["admit_pinned"]])
         await timed("admit_unpinned", [lambda sid=sid: state.try_admit_unpinned_session_request("iris-1", MODEL, sid)
@@ -199,7 +207,9 @@ async def _time_scripts(redis_url: str, config_data: dict, sessions: list[str], 
     return out
 
 
-def measure_scripts_alone(client: redis.Redis, redis_url: str, config_data: dict, sessions: list[str], calls: int) -> dict:
+def measure_scripts_alone(
+    client: redis.Redis, redis_url: str, config_data: dict, sessions: list[str], calls: int
+) -> dict:
     """Server time per script call with no other load on Redis, per script (see `_time_scripts`)."""
     picked = [sessions[(i * 7919) % len(sessions)] for i in range(calls)]
     fresh = [f"alone-{len(sessions)}-{i}" for i in range(calls)]
@@ -262,12 +272,14 @@ def report(result: dict[str, Any]) -> None:
     rows = []
     for run in result["runs"]:
         cpu = run["cpu_ms_per_request"]
-        rows.append([run["pins"], run["phase"], run["live_after"]["pins"], run["requests"], run["round_trips_per_request"],
+        rows.append([run["pins"], run["phase"], run["live_after"]["pins"], run["requests"],
+                     run["round_trips_per_request"],
                      run["script_calls_per_request"], run["redis_commands_per_request"], run["evalsha_usec_per_call"],
                      cpu["extproc"], 1000 / cpu["extproc"] if cpu["extproc"] > 0 else float("nan"),
                      cpu["envoy"], cpu["redis"], cpu["upstream"]])
     print_table("Cost per request (CPU in ms per request)",
-                ["pins pre-loaded", "phase", "live pins after", "requests", "round trips/req", "script calls/req", "redis cmds/req",
+                ["pins pre-loaded", "phase", "live pins after", "requests", "round trips/req", "script calls/req",
+                 "redis cmds/req",
                  "evalsha us/call", "ext_proc CPU", "req/s per ext_proc core", "Envoy CPU", "Redis CPU",
                  "upstream CPU"], rows)
     rows = [[run["pins"], run["phase"], ", ".join(f"{k} {v / max(run['requests'], 1):.2f}"
@@ -304,8 +316,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    load_before = load_average()
     with tempfile.TemporaryDirectory(prefix="iris-bench-cost-") as tmp:
         result = measure(args, Path(tmp))
+    result["load_average_before"] = load_before
+    print(f"machine: {result['machine']}; 1-min load average before {load_before}, after "
+          f"{result['machine']['load_average_1min']} (other work shares these cores)")
     result["figures"] = figures(result)
     report(result)
     write_json(args.json, result)

@@ -25,6 +25,7 @@ from bench.common import (
     MODEL,
     ZERO_DELAY,
     cpu_seconds,
+    load_average,
     machine_description,
     plain_envoy_bootstrap,
     print_figure,
@@ -73,7 +74,8 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 saturation[path]["extproc_cpu_s"] = cpu_seconds(extproc_pid) - cpu_before
         finally:
             plain.stop()
-    return {"machine": machine_description(), "args": vars(args) | {"plot_dir": str(args.plot_dir), "json": str(args.json)},
+    arguments = vars(args) | {"plot_dir": str(args.plot_dir), "json": str(args.json)}
+    return {"machine": machine_description(), "args": arguments,
             "rates": rates, "saturation": saturation}
 
 
@@ -167,8 +169,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    load_before = load_average()
     with tempfile.TemporaryDirectory(prefix="iris-bench-overhead-") as tmp:
         result = measure(args, Path(tmp))
+    result["load_average_before"] = load_before
+    print(f"machine: {result['machine']}; 1-min load average before {load_before}, after "
+          f"{result['machine']['load_average_1min']} (other work shares these cores)")
     result["figures"] = figures(result)
     report(result)
     write_json(args.json, result)

@@ -22,7 +22,17 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from bench.common import MODEL, ZERO_DELAY, machine_description, print_figure, print_table, roomy_config, run_loadgen, write_json
+from bench.common import (
+    MODEL,
+    ZERO_DELAY,
+    load_average,
+    machine_description,
+    print_figure,
+    print_table,
+    roomy_config,
+    run_loadgen,
+    write_json,
+)
 from extproc.local_gateway import LocalGateway
 
 # First matching rule names the area of a sample's leaf frame (`function (path:line)`). py-spy
@@ -32,7 +42,8 @@ AREAS = (
     ("gRPC poller thread (native)", re.compile(r"^Thread\.run \(.*threading\.py")),
     ("asyncio: epoll wait and wakeups", re.compile(r"^EpollSelector\.select ")),
     ("event-loop callbacks in native code (gRPC aio)", re.compile(r"^Handle\._run ")),
-    ("gRPC: stream read/write awaited in Process (native)", re.compile(r"^ExternalProcessor\.(Process|_next_message) ")),
+    ("gRPC: stream read/write awaited in Process (native)",
+     re.compile(r"^ExternalProcessor\.(Process|_next_message) ")),
     ("protobuf", re.compile(r"google/protobuf|_pb2|envoy/service|envoy/config")),
     ("grpc", re.compile(r"grpc/")),
     ("redis client", re.compile(r"redis/")),
@@ -165,8 +176,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    load_before = load_average()
     with tempfile.TemporaryDirectory(prefix="iris-bench-profile-") as tmp:
         result = measure(args, Path(tmp))
+    result["load_average_before"] = load_before
+    print(f"machine: {result['machine']}; 1-min load average before {load_before}, after "
+          f"{result['machine']['load_average_1min']} (other work shares these cores)")
     report(result)
     write_json(args.json, result)
 

@@ -52,10 +52,10 @@ from bench.common import (
     Sample,
     check_local,
     default_trace_path,
+    load_average,
     load_summary,
     machine_description,
     open_loop,
-    percentile,
     plain_envoy_bootstrap,
     pool_cluster,
     print_figure,
@@ -189,7 +189,9 @@ class Sampler:
     """Every `period` s: each own provider's in-flight count from its /stats, and for the router
     the live pins per own provider from Redis. Lists of (t s since start, value)."""
 
-    def __init__(self, http: aiohttp.ClientSession, provider_urls: dict[str, str], redis_url: str | None, period: float):
+    def __init__(
+        self, http: aiohttp.ClientSession, provider_urls: dict[str, str], redis_url: str | None, period: float
+    ):
         self.http, self.urls, self.period = http, provider_urls, period
         self.redis = aioredis.Redis.from_url(redis_url) if redis_url else None
         self.keys = Keyspace(KEY_PREFIX)
@@ -240,7 +242,8 @@ async def replay(url: str, provider_urls: dict[str, str], redis_url: str | None,
                             sample.first = loop.time() - start
                         if line.startswith(b"data: {") and b'"usage"' in line:
                             usage = orjson.loads(line[6:]).get("usage") or {}
-                            sample.info["cached_tokens"] = usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+                            details = usage.get("prompt_tokens_details") or {}
+                            sample.info["cached_tokens"] = details.get("cached_tokens", 0)
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 sample.error = type(exc).__name__
             sample.done = loop.time() - start
@@ -286,8 +289,8 @@ def run_policy(policy: str, requests: list[TraceRequest], args: argparse.Namespa
             url = f"http://127.0.0.1:{envoy.port}"
             wait_http_ready(url + "/health")
             urls = {name: f"http://127.0.0.1:{providers[name].port}" for name in OWN}
-            for name in OWN:  # the readiness probe went through the pool: start from zero
-                aiohttp_free_reset(urls[name])
+            for name in OWN:  # start every counter from zero
+                reset_stats(urls[name])
             samples, sampler, wall = asyncio.run(replay(url, urls, None, requests, args))
             stats = provider_stats(urls)
         finally:
@@ -298,7 +301,7 @@ def run_policy(policy: str, requests: list[TraceRequest], args: argparse.Namespa
     return {"policy": policy, "samples": samples, "sampler": sampler, "wall": wall, "stats": stats}
 
 
-def aiohttp_free_reset(url: str) -> None:
+def reset_stats(url: str) -> None:
     """POST /stats/reset on a simulator."""
     import httpx
 
@@ -343,7 +346,8 @@ def needless_offloads(samples: list[Sample], requests: list[TraceRequest], sampl
     """
     unreserved = args.max_in_flight - args.reserved
     margin = args.release_margin_ms / 1000
-    by_provider = {name: [s for s in samples if s.info.get("provider") == name and not math.isnan(s.done)] for name in OWN}
+    by_provider = {name: [s for s in samples if s.info.get("provider") == name and not math.isnan(s.done)]
+                   for name in OWN}
     pins_of = pin_providers(samples, requests)
     out = []
     for sample in samples:
@@ -524,7 +528,7 @@ def main(argv: list[str] | None = None) -> None:
     oracle_blocks = oracle_reused_blocks(requests)
     total_blocks = sum(len(r.blocks) for r in requests)
     result: dict[str, Any] = {
-        "machine": machine_description(),
+        "load_average_before": load_average(),
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "requests": len(requests),
         "trace_seconds": requests[-1].offset * args.speedup if requests else 0,
@@ -537,6 +541,9 @@ def main(argv: list[str] | None = None) -> None:
             print(f"replaying {len(requests)} requests with {policy} ...", flush=True)
             run = run_policy(policy, requests, args, Path(tmp))
             result["policies"].append(policy_figures(run, requests, result["oracle_reused_tokens"], args))
+    result["machine"] = machine_description()
+    print(f"machine: {result['machine']}; 1-min load average before {result['load_average_before']}, after "
+          f"{result['machine']['load_average_1min']} (other work shares these cores)")
     report(result)
     write_json(args.json, result)
     if args.plot_dir:
