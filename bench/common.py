@@ -389,6 +389,7 @@ def roomy_config(
     lease_timeout_seconds: float = 30,
     grace_seconds: float = 60,
     expose_routing_headers: bool = False,
+    metrics_listen: str | None = None,
 ) -> dict[str, Any]:
     """The example's three providers (two own, one third party) for MODEL, with limits so high
     they never bind: every request takes the full admission path (pin, lease, release) on the
@@ -403,7 +404,7 @@ def roomy_config(
         "pin_inactivity_timeout_seconds": pin_timeout_seconds,
         "lease_timeout_seconds": lease_timeout_seconds,
         "redis": {"key_prefix": "bench", "housekeeping_grace_seconds": grace_seconds},
-        "server": {"expose_routing_headers": expose_routing_headers},
+        "server": {"expose_routing_headers": expose_routing_headers, "metrics_listen": metrics_listen},
         "providers": [
             {"name": "iris-1", "kind": "managed", "cluster": "iris-1",
              "models": {MODEL: {"features": ["chat", "completions"], "limits": limits}}},
@@ -416,6 +417,20 @@ def roomy_config(
 
 
 ZERO_DELAY = ProviderSimulation(ttft_ms=0, per_token_ms=0, block_tokens=512, cache_blocks=4096)
+
+
+def decision_totals(metrics_url: str) -> tuple[float, int]:
+    """(sum of seconds, count) of the ext_proc server's `iris_decision_seconds` histogram: the
+    time from a parsed request body to its routing decision, Redis round trips included."""
+    import httpx
+
+    total, count = 0.0, 0
+    for line in httpx.get(check_local(metrics_url), timeout=5).text.splitlines():
+        if line.startswith("iris_decision_seconds_sum"):
+            total = float(line.split()[-1])
+        elif line.startswith("iris_decision_seconds_count"):
+            count = int(float(line.split()[-1]))
+    return total, count
 
 
 def run_loadgen(url: str, out: Path, *args: str, max_seconds: float) -> dict[str, Any]:

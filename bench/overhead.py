@@ -9,7 +9,10 @@ open loop at each fixed rate, then closed loop at saturation.
 
 Prints, per rate, latency p50/p90/p99 (ms) of both paths and the added latency (gateway minus
 plain, per percentile), then the saturation throughput (requests/s) of both, their ratio, and the
-ext_proc CPU per request at saturation (ms) with the requests/s one ext_proc core sustains.
+ext_proc CPU per request at saturation (ms) with the requests/s one ext_proc core sustains. The
+ext_proc server's own decision histogram (`iris_decision_seconds`: parsed body to decision, its
+Redis round trips included) gives the mean decision time per rate, the part of the added latency
+that the routing itself (rather than the ext_proc messages) costs.
 
     python -m bench.overhead --rates 50,200,500 --seconds 20 --json out/overhead.json --plot-dir docs
 """
@@ -25,6 +28,7 @@ from bench.common import (
     MODEL,
     ZERO_DELAY,
     cpu_seconds,
+    decision_totals,
     load_average,
     machine_description,
     plain_envoy_bootstrap,
@@ -44,7 +48,10 @@ PATHS = ("plain", "gateway")
 def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     """Start both paths over one upstream and run every load; returns the result document."""
     sims = {name: ZERO_DELAY for name in ("iris-1", "iris-2", "tensorx")}
-    with LocalGateway(config_data=roomy_config(), simulations=sims, work_dir=work / "gateway") as gateway:
+    metrics_port = free_port()
+    metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+    config = roomy_config(metrics_listen=f"127.0.0.1:{metrics_port}")
+    with LocalGateway(config_data=config, simulations=sims, work_dir=work / "gateway") as gateway:
         upstream = gateway.providers["iris-1"].port
         bootstrap = plain_envoy_bootstrap(free_port(), free_port(), {"iris-1": upstream}, target_cluster="iris-1")
         plain = start_envoy(bootstrap, work, "envoy-plain")
@@ -58,10 +65,14 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             for rate in args.rates:
                 entry: dict[str, Any] = {"rate": rate}
                 for path in PATHS:
+                    decided_before = decision_totals(metrics_url)
                     entry[path] = run_loadgen(
                         urls[path], work / f"rate-{rate:g}-{path}.json", "--rate", str(rate),
                         "--requests", str(int(rate * args.seconds)), *common, max_seconds=args.seconds,
                     )
+                    if path == "gateway":
+                        seconds, count = (a - b for a, b in zip(decision_totals(metrics_url), decided_before))
+                        entry["decision_mean_ms"] = seconds * 1000 / count if count else float("nan")
                 rates.append(entry)
             saturation: dict[str, Any] = {}
             extproc_pid = gateway.running[0].extproc.pid
@@ -87,6 +98,7 @@ def figures(result: dict[str, Any]) -> dict[str, float]:
         rate = f"{entry['rate']:g}"
         for p in ("p50", "p90", "p99"):
             out[f"added_{p}_ms@{rate}"] = entry["gateway"][f"{p}_ms"] - entry["plain"][f"{p}_ms"]
+        out[f"decision_mean_ms@{rate}"] = entry["decision_mean_ms"]
     sat = result["saturation"]
     out["saturation_plain_rps"] = sat["plain"]["achieved_rps"]
     out["saturation_gateway_rps"] = sat["gateway"]["achieved_rps"]
@@ -107,6 +119,8 @@ def report(result: dict[str, Any]) -> None:
                          r["errors"], r["send_lag_p99_ms"]])
         rows.append([f"{entry['rate']:g}", "added"] + [""] + [
             entry["gateway"][f"{p}_ms"] - entry["plain"][f"{p}_ms"] for p in ("p50", "p90", "p99")] + ["", ""])
+        rows.append([f"{entry['rate']:g}", "of which routing decision (mean)", "", entry["decision_mean_ms"],
+                     "", "", "", ""])
     print_table("Latency at fixed rates (ms)",
                 ["rate req/s", "path", "achieved req/s", "p50", "p90", "p99", "errors", "send lag p99"], rows)
     sat = result["saturation"]

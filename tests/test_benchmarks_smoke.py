@@ -49,7 +49,8 @@ def assert_numbers(figures: dict[str, str], names: list[str]) -> None:
 
 def test_overhead_prints_every_figure(tmp_path):
     figures, result = run_bench("overhead", tmp_path)
-    names = [f"added_{p}_ms@{rate}" for rate in ("20", "50") for p in ("p50", "p90", "p99")]
+    names = [f"added_{p}_ms@{rate}" for rate in ("20", "50") for p in ("p50", "p90", "p99", "")]
+    names = [name.replace("added__ms", "decision_mean_ms") for name in names]
     names += ["saturation_plain_rps", "saturation_gateway_rps", "throughput_ratio",
               "extproc_cpu_ms_per_request", "requests_per_extproc_core_s"]
     assert_numbers(figures, names)
