@@ -20,6 +20,7 @@ that the routing itself (rather than the ext_proc messages) costs.
 from __future__ import annotations
 
 import argparse
+import json
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -138,6 +139,7 @@ def plot(result: dict[str, Any], plot_dir: Path) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
 
     entries = result["rates"]
     fig, axes = plt.subplots(1, len(entries), figsize=(4.2 * len(entries), 3.6), squeeze=False, sharey=True)
@@ -147,6 +149,8 @@ def plot(result: dict[str, Any], plot_dir: Path) -> Path:
             if values:
                 ax.plot(values, [(i + 1) / len(values) for i in range(len(values))], style, label=path)
         ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_title(f"{entry['rate']:g} req/s")
         ax.set_xlabel("latency (ms, log)")
         ax.grid(True, which="both", alpha=0.3)
@@ -173,6 +177,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tiny", action="store_true", help="a few seconds in all (for the smoke test)")
     parser.add_argument("--json", type=Path, help="write the full result here")
     parser.add_argument("--plot-dir", type=Path, help="write overhead_latency_cdf.png here (needs matplotlib)")
+    parser.add_argument("--from-json", type=Path, help="report (and plot) a result saved with --json; no run")
     args = parser.parse_args(argv)
     args.rates = [float(r) for r in args.rates.split(",") if r]
     if args.tiny:
@@ -183,15 +188,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    load_before = load_average()
-    with tempfile.TemporaryDirectory(prefix="iris-bench-overhead-") as tmp:
-        result = measure(args, Path(tmp))
-    result["load_average_before"] = load_before
-    print(f"machine: {result['machine']}; 1-min load average before {load_before}, after "
+    if args.from_json:
+        result = json.loads(args.from_json.read_text())
+    else:
+        load_before = load_average()
+        with tempfile.TemporaryDirectory(prefix="iris-bench-overhead-") as tmp:
+            result = measure(args, Path(tmp))
+        result["load_average_before"] = load_before
+        result["figures"] = figures(result)
+        write_json(args.json, result)
+    print(f"machine: {result['machine']}; 1-min load average before {result.get('load_average_before')}, after "
           f"{result['machine']['load_average_1min']} (other work shares these cores)")
-    result["figures"] = figures(result)
     report(result)
-    write_json(args.json, result)
     if args.plot_dir:
         print(f"plot: {plot(result, args.plot_dir)}")
 

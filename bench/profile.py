@@ -41,7 +41,7 @@ from extproc.local_gateway import LocalGateway
 AREAS = (
     ("gRPC poller thread (native)", re.compile(r"^Thread\.run \(.*threading\.py")),
     ("asyncio: epoll wait and wakeups", re.compile(r"^EpollSelector\.select ")),
-    ("event-loop callbacks in native code (gRPC aio)", re.compile(r"^Handle\._run ")),
+    ("event-loop callbacks in native code (C task steps, gRPC aio)", re.compile(r"^Handle\._run ")),
     ("gRPC: stream read/write awaited in Process (native)",
      re.compile(r"^ExternalProcessor\.(Process|_next_message) ")),
     ("protobuf", re.compile(r"google/protobuf|_pb2|envoy/service|envoy/config")),

@@ -135,11 +135,16 @@ def load_trace(path: Path, limit: int, speedup: float, token_scale: float, block
 
 
 def oracle_reused_blocks(requests: list[TraceRequest]) -> int:
-    """Blocks an unbounded cache that sees every request in order would hit: per request, the
-    leading blocks whose whole prefix was seen before (as the simulators count), then all of its
-    blocks are inserted."""
+    """Blocks an unbounded cache that sees every request in order would hit, in all."""
+    return sum(oracle_hits(requests))
+
+
+def oracle_hits(requests: list[TraceRequest]) -> list[int]:
+    """Per request, the blocks an unbounded cache that sees every request in order would hit:
+    the leading blocks whose whole prefix was seen before (as the simulators count), after which
+    all of the request's blocks are inserted."""
     seen: set[tuple[int, int]] = set()
-    reused = 0
+    out = []
     for request in requests:
         keys, previous = [], 0
         for block in request.blocks:
@@ -148,9 +153,9 @@ def oracle_reused_blocks(requests: list[TraceRequest]) -> int:
         hits = 0
         while hits < len(keys) and keys[hits] in seen:
             hits += 1
-        reused += hits
+        out.append(hits)
         seen.update(keys)
-    return reused
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -384,6 +389,14 @@ def policy_figures(run: dict[str, Any], requests: list[TraceRequest], oracle_tok
     for s in third:
         by_reason[s.info.get("reason") or "-"] = by_reason.get(s.info.get("reason") or "-", 0) + 1
     needless = needless_offloads(samples, requests, run["sampler"], args) if run["policy"] == "router" else []
+    # Where reuse was lost: the oracle's hits minus the tokens the provider found cached, per
+    # request, summed by where the request went (and why, for the router).
+    hits = oracle_hits(requests)
+    lost: dict[str, int] = {}
+    for s in ok:
+        where = s.info.get("provider", "?") + (f" ({s.info['reason']})" if s.info.get("reason") else "")
+        missed = hits[s.index] * args.block_tokens - s.info.get("cached_tokens", 0)
+        lost[where] = lost.get(where, 0) + missed
     ttft = summarize_ms([(s.first - s.sent) * 1000 for s in ok if not math.isnan(s.first)])
     max_in_flight = {name: stats[name]["max_in_flight"] for name in OWN}
     over_samples = sum(1 for name in OWN for _, c in run["sampler"].in_flight[name] if c > args.max_in_flight)
@@ -403,6 +416,8 @@ def policy_figures(run: dict[str, Any], requests: list[TraceRequest], oracle_tok
         "third_party_requests": len(third),
         "third_party_decided": sum(v for k, v in by_reason.items() if k in DECIDED_REASONS),
         "third_party_by_reason": by_reason,
+        "reuse_lost_share_of_oracle_by_destination": {k: v / oracle_tokens for k, v in sorted(lost.items())}
+        if oracle_tokens else {},
         "needless_offloads": len(needless),
         "max_in_flight": max_in_flight,
         "limit": args.max_in_flight,
@@ -427,6 +442,10 @@ def report(result: dict[str, Any]) -> None:
         ["policy", "ok", "errors", "reuse/oracle", "own reuse/oracle", "3rd-party reqs", "3rd-party decided",
          "needless offloads", "max in flight/limit", "providers breached", "p50 ms", "p90 ms", "p99 ms",
          "TTFT p50 ms", "TTFT p99 ms"], rows)
+    lost_rows = [[p["policy"], where, share] for p in result["policies"]
+            for where, share in p.get("reuse_lost_share_of_oracle_by_destination", {}).items() if share]
+    print_table("Reuse lost against the oracle (share of the oracle's reused tokens), by destination",
+                ["policy", "served by (reason)", "lost share"], lost_rows)
     print()
     print_figure("oracle_reused_tokens", result["oracle_reused_tokens"])
     print_figure("oracle_share_of_prompt_tokens", result["oracle_share"])
@@ -509,6 +528,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tiny", action="store_true", help="a few seconds per policy (for the smoke test)")
     parser.add_argument("--json", type=Path, help="write the full result here")
     parser.add_argument("--plot-dir", type=Path, help="write replay_reuse.png and replay_inflight.png here")
+    parser.add_argument("--from-json", type=Path, help="report (and plot) a result saved with --json; no run")
     args = parser.parse_args(argv)
     if args.tiny:
         args.limit, args.speedup, args.cache_blocks = 40, 40.0, 2048
@@ -522,6 +542,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.from_json:
+        result = json.loads(args.from_json.read_text())
+    else:
+        result = measure(args)
+        write_json(args.json, result)
+    print(f"machine: {result['machine']}; 1-min load average before {result.get('load_average_before')}, after "
+          f"{result['machine']['load_average_1min']} (other work shares these cores)")
+    report(result)
+    if args.plot_dir:
+        for path in plot(result, args.plot_dir):
+            print(f"plot: {path}")
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """Replay the trace with every policy of `args.policies`; returns the result document."""
     requests = load_trace(args.trace, args.limit, args.speedup, args.token_scale, args.block_tokens)
     if args.max_seconds is None:
         args.max_seconds = (requests[-1].offset if requests else 0) + 30
@@ -542,13 +577,7 @@ def main(argv: list[str] | None = None) -> None:
             run = run_policy(policy, requests, args, Path(tmp))
             result["policies"].append(policy_figures(run, requests, result["oracle_reused_tokens"], args))
     result["machine"] = machine_description()
-    print(f"machine: {result['machine']}; 1-min load average before {result['load_average_before']}, after "
-          f"{result['machine']['load_average_1min']} (other work shares these cores)")
-    report(result)
-    write_json(args.json, result)
-    if args.plot_dir:
-        for path in plot(result, args.plot_dir):
-            print(f"plot: {path}")
+    return result
 
 
 if __name__ == "__main__":

@@ -40,6 +40,15 @@ def run_bench(module: str, tmp_path: Path, *args: str, timeout: float = 240) -> 
     return figures, json.loads(out.read_text())
 
 
+def report_again(module: str, tmp_path: Path) -> set[str]:
+    """`python -m bench.<module> --from-json` on the saved result: the figures printed again."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", f"bench.{module}", "--from-json", str(tmp_path / f"{module}.json")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {line.split(" ")[1] for line in done.stdout.splitlines() if line.startswith("FIGURE ")}
+
+
 def assert_numbers(figures: dict[str, str], names: list[str]) -> None:
     missing = [name for name in names if name not in figures]
     assert not missing, f"figures missing: {missing}"
@@ -58,6 +67,7 @@ def test_overhead_prints_every_figure(tmp_path):
         for path in ("plain", "gateway"):
             assert entry[path]["ok"] > 0 and entry[path]["latencies_ms"]
     assert result["saturation"]["gateway"]["ok"] > 0
+    assert report_again("overhead", tmp_path) == set(figures)
 
 
 def test_cost_prints_every_figure(tmp_path):
@@ -93,6 +103,7 @@ def test_replay_prints_every_figure(tmp_path):
     for policy in result["policies"]:
         assert policy["ok"] > 0
         assert policy["in_flight_samples"]["iris-1"]
+    assert report_again("replay", tmp_path) == set(figures)
 
 
 @pytest.mark.skipif(not (Path(sys.executable).parent / "py-spy").exists() and not shutil.which("py-spy"),
