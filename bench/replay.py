@@ -321,14 +321,14 @@ def reset_stats(url: str) -> None:
 def pin_providers(samples: list[Sample], requests: list[TraceRequest]) -> dict[int, str]:
     """For each request index, the provider its session was pinned to when it was sent, as far
     as the earlier answers' reasons tell (router only)."""
-    pinned: dict[str, tuple[float, str]] = {}
+    pinned: dict[str, str] = {}
     out: dict[int, str] = {}
     for sample in sorted(samples, key=lambda s: s.sent):
         user = requests[sample.index].user
         if user in pinned:
-            out[sample.index] = pinned[user][1]
+            out[sample.index] = pinned[user]
         if sample.info.get("reason") in ("new_pin", "pinned", "repinned"):
-            pinned[user] = (sample.sent, sample.info["provider"])
+            pinned[user] = sample.info["provider"]
     return out
 
 
