@@ -28,7 +28,8 @@ EXAMPLE_CONFIG = Path(__file__).resolve().parent.parent / "envoy" / "example-con
 
 @dataclass
 class ProviderSimulation:
-    """How to simulate one provider: delays in milliseconds, prefix-cache size in blocks.
+    """How to simulate one provider: delays in milliseconds (`prefill_ms_per_token`: per prompt
+    token missing from the prefix cache), prefix-cache size in blocks.
 
     By default the simulator behaves as the routing config says the provider does: it serves
     only the provider's model names (`upstream_model` where set) and, for a provider with
@@ -38,6 +39,7 @@ class ProviderSimulation:
 
     ttft_ms: float = 20
     per_token_ms: float = 2
+    prefill_ms_per_token: float = 0
     block_tokens: int = 512
     cache_blocks: int = 4096
     api_key_env: str | None = None
@@ -149,6 +151,7 @@ class LocalGateway:
         argv = [
             sys.executable, "-m", "extproc.simulator", "--name", name, "--port", str(port),
             "--ttft-ms", str(sim.ttft_ms), "--per-token-ms", str(sim.per_token_ms),
+            "--prefill-ms-per-token", str(sim.prefill_ms_per_token),
             "--block-tokens", str(sim.block_tokens), "--cache-blocks", str(sim.cache_blocks),
         ]
         provider = self.config.provider(name)

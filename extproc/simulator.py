@@ -15,9 +15,10 @@ Model of the work:
   when they share the whole prefix up to the end of block *i*. Only full blocks are cached, in an
   LRU of ``cache_blocks`` keys. ``cached_tokens`` is the number of leading blocks found, times
   ``block_tokens``.
-* The answer has ``max_tokens`` words ``tok0 tok1 ...``, ready after ``ttft_ms + n * per_token_ms``
-  milliseconds; a streamed answer sends its first chunk after ``ttft_ms`` and one chunk per token
-  every ``per_token_ms`` after that.
+* The answer has ``max_tokens`` words ``tok0 tok1 ...``, ready after ``ttft_ms + prefill +
+  n * per_token_ms`` milliseconds, where ``prefill = uncached prompt tokens * prefill_ms_per_token``
+  (0 by default: prefix-cache hits then cost nothing extra); a streamed answer sends its first
+  chunk after ``ttft_ms + prefill`` and one chunk per token every ``per_token_ms`` after that.
 
 Control and observation endpoints: ``GET /stats``, ``POST /stats/reset``, ``POST /control/fail``,
 ``POST /control/clear``, ``GET /health``, ``POST /control/health``, ``GET /metrics`` and
@@ -70,6 +71,8 @@ class SimulatorConfig:
     name: reported in the ``x-simulator-name`` response header and in ``/stats``.
     ttft_ms: time to first token, in milliseconds.
     per_token_ms: time per generated token after the first, in milliseconds.
+    prefill_ms_per_token: extra time to first token per prompt token not found in the prefix
+        cache, in milliseconds (0: the cache does not change latency).
     block_tokens: tokens (words) per prefix-cache block.
     cache_blocks: prefix-cache capacity in blocks (LRU); 0 disables the cache.
     required_api_key: when set, requests must carry ``authorization: Bearer <key>`` or
@@ -81,6 +84,7 @@ class SimulatorConfig:
     name: str
     ttft_ms: float = 0
     per_token_ms: float = 0
+    prefill_ms_per_token: float = 0
     block_tokens: int = 512
     cache_blocks: int = 4096
     required_api_key: str | None = None
@@ -672,10 +676,17 @@ class _Service:
         if drop:
             return self._drop(request, exchange)
         config = self.config
-        await asyncio.sleep((config.ttft_ms + gen.completion_tokens * config.per_token_ms) / 1000)
+        delay_ms = self._first_token_ms(gen) + gen.completion_tokens * config.per_token_ms
+        await asyncio.sleep(delay_ms / 1000)
         self.state.completion_tokens += gen.completion_tokens
         exchange.outcome = "200"
         return _json_response(api.answer(gen))
+
+    def _first_token_ms(self, gen: _Generation) -> float:
+        """Time to first token of `gen`, in milliseconds: ttft_ms plus the prefill of its
+        uncached prompt tokens."""
+        uncached = gen.prompt_tokens - gen.cached_tokens
+        return self.config.ttft_ms + uncached * self.config.prefill_ms_per_token
 
     def _start_generation(self, api: _GenerationApi, body: dict[str, Any]) -> _Generation:
         """Parse the prompt, look it up in the prefix cache and count its tokens."""
@@ -708,7 +719,7 @@ class _Service:
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
-        deadline = asyncio.get_running_loop().time() + self.config.ttft_ms / 1000
+        deadline = asyncio.get_running_loop().time() + self._first_token_ms(gen) / 1000
         try:
             await response.prepare(request)
             start = api.stream_start(gen)
@@ -931,6 +942,10 @@ def _parse_args(argv: list[str] | None) -> tuple[SimulatorConfig, str, int, ssl.
     parser.add_argument("--port", type=int, required=True, help="0 picks a free port")
     parser.add_argument("--ttft-ms", type=float, default=0, help="time to first token, ms")
     parser.add_argument("--per-token-ms", type=float, default=0, help="time per token, ms")
+    parser.add_argument(
+        "--prefill-ms-per-token", type=float, default=0,
+        help="extra time to first token per uncached prompt token, ms",
+    )
     parser.add_argument("--block-tokens", type=int, default=512, help="tokens per cache block")
     parser.add_argument("--cache-blocks", type=int, default=4096, help="cache capacity, blocks")
     parser.add_argument(
@@ -960,6 +975,7 @@ def _parse_args(argv: list[str] | None) -> tuple[SimulatorConfig, str, int, ssl.
         name=args.name,
         ttft_ms=args.ttft_ms,
         per_token_ms=args.per_token_ms,
+        prefill_ms_per_token=args.prefill_ms_per_token,
         block_tokens=args.block_tokens,
         cache_blocks=args.cache_blocks,
         required_api_key=api_key,
@@ -985,9 +1001,9 @@ async def _serve_until_signalled(
 
 def main(argv: list[str] | None = None) -> None:
     """CLI: ``python -m extproc.simulator --name iris-1 --port 8001 [--host 127.0.0.1]
-    [--ttft-ms 50] [--per-token-ms 5] [--block-tokens 512] [--cache-blocks 4096]
-    [--api-key-env VAR] [--model NAME ...] [--tls-cert PEM --tls-key PEM]``. Serves until
-    SIGTERM or SIGINT, then exits 0."""
+    [--ttft-ms 50] [--per-token-ms 5] [--prefill-ms-per-token 0.1] [--block-tokens 512]
+    [--cache-blocks 4096] [--api-key-env VAR] [--model NAME ...] [--tls-cert PEM --tls-key PEM]``.
+    Serves until SIGTERM or SIGINT, then exits 0."""
     config, host, port, ssl_context = _parse_args(argv)
     logging.basicConfig(
         stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(name)s %(message)s"

@@ -265,6 +265,24 @@ async def test_client_timeout_before_answer_ends_the_request() -> None:
 
 
 @pytest.mark.asyncio
+async def test_prefill_time_is_spent_only_on_uncached_tokens() -> None:
+    # 30 s per uncached token: the first request cannot finish in time; its block is cached as
+    # soon as it arrives, so the same prompt then needs no prefill at all.
+    async with running(prefill_ms_per_token=30_000, block_tokens=2) as (_, http):
+        with pytest.raises(asyncio.TimeoutError):
+            await post(
+                http, "/v1/chat/completions", chat("a b", max_tokens=1),
+                timeout=aiohttp.ClientTimeout(total=0.3),
+            )
+        status, body = await post(
+            http, "/v1/chat/completions", chat("a b", max_tokens=1),
+            timeout=aiohttp.ClientTimeout(total=10),
+        )
+    assert status == 200
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 2
+
+
+@pytest.mark.asyncio
 async def test_required_api_key() -> None:
     async with running(required_api_key="secret") as (_, http):
         status, body = await post(http, "/v1/chat/completions", chat("a"))

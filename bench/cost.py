@@ -1,0 +1,331 @@
+"""Cost per request: Redis round trips and script time, ext_proc CPU, at two sizes of state.
+
+For each `--pins` size (default 1,000 and 100,000 pinned sessions), the routing state is emptied
+and pre-loaded through the routing scripts (`RoutingState` calls, many at once): that many
+sessions pinned to the first own provider, then `--leases` live request leases (default 10,000)
+on those pins. Pin and lease timeouts are long (hours), so everything stays live and no lease is
+renewed during a run. Then the load generator (its own process) sends short chat requests at
+`--rate` requests/s through the full gateway, in two phases:
+
+* `pinned`: users whose sessions were pre-loaded (get_pin, admit_pinned, release);
+* `new`: a new user, so a new session and pin, every request (get_pin, admit_unpinned, release).
+
+Around each phase it reads `INFO commandstats` (calls and server time of every command, those run
+inside scripts included) and /proc/<pid>/stat CPU time of ext_proc, Envoy, Redis and the upstream.
+Client round trips are the calls of commands that no script runs: which commands the scripts run
+inside Redis is learnt once from the slow log at a 0 us threshold (a script's commands carry the
+client address `?:0`). After the pinned phase, `--script-calls` calls of each script also run
+alone, one at a time, with `INFO commandstats` reset before each script: the server time per call
+of that script without CPU contention from the gateway, and the client's round trip.
+
+Prints per size and phase: client round trips per request (by command), script calls per request,
+Redis commands executed per request, EVALSHA server time per call under load (us), CPU per request
+(ms) of each process and the requests/s one ext_proc core sustains; then per size and script the
+server time per call alone (us).
+
+    python -m bench.cost --pins 1000,100000 --leases 10000 --rate 200 --requests 3000 --json out/cost.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from bench.common import (
+    MODEL,
+    ZERO_DELAY,
+    command_delta,
+    command_stats,
+    cpu_seconds,
+    load_average,
+    machine_description,
+    percentile,
+    print_figure,
+    print_table,
+    roomy_config,
+    run_loadgen,
+    write_json,
+)
+from bench.loadgen import request_body, user_name
+from extproc.config import parse_config
+from extproc.local_gateway import LocalGateway
+from extproc.openai_request import parse_request, session_id
+from extproc.state import RoutingState, connect
+
+HOURS = 10 * 3600
+PRELOAD_BATCH = 512
+ADMIN_COMMANDS = ("info", "slowlog", "config", "flushall", "dbsize", "ping")
+PHASES = ("pinned", "new")
+
+
+def session_ids(secret: str, users: list[str], completions_prefix_chars: int) -> list[str]:
+    """The session ids the gateway derives for `users` sending `bench.loadgen.request_body`."""
+    parsed = parse_request("chat", request_body(MODEL), completions_prefix_chars)
+    return [session_id(secret.encode(), user, parsed) for user in users]
+
+
+async def preload(redis_url: str, config_data: dict, sessions: list[str], leases: int) -> float:
+    """Pin every session to iris-1 (admit then release, refreshing the pin), then hold `leases`
+    live leases spread over those pins (never released). Returns the seconds it took."""
+    started = time.monotonic()
+    client = connect(redis_url, timeout_seconds=30, max_connections=32)
+    state = RoutingState(client, parse_config(config_data))
+    try:
+        await state.load_scripts()
+        for at in range(0, len(sessions), PRELOAD_BATCH):
+            batch = sessions[at : at + PRELOAD_BATCH]
+            admissions = await asyncio.gather(
+                *(state.try_admit_unpinned_session_request("iris-1", MODEL, sid) for sid in batch))
+            await asyncio.gather(*(state.release_request_lease(a.lease, refresh_pin=True) for a in admissions))
+        for at in range(0, leases, PRELOAD_BATCH):
+            count = min(PRELOAD_BATCH, leases - at)
+            await asyncio.gather(*(state.try_admit_pinned_session_request(MODEL, sessions[(at + i) % len(sessions)])
+                                   for i in range(count)))
+    finally:
+        await client.aclose()
+    return time.monotonic() - started
+
+
+def live_counts(client: redis.Redis) -> dict[str, int]:
+    """Live pins and leases of iris-1 (ZCOUNT over deadlines after Redis TIME)."""
+    seconds, micros = client.time()
+    now = seconds * 1000 + micros // 1000
+    tag = "{bench:" + MODEL + "}"
+    return {"pins": client.zcount(f"{tag}:pins:iris-1", f"({now}", "+inf"),
+            "leases": client.zcount(f"{tag}:leases:iris-1", f"({now}", "+inf")}
+
+
+def inner_command_names(client: redis.Redis, redis_url: str, config_data: dict, sessions: list[str]) -> set[str]:
+    """Names of the commands the routing scripts run inside Redis: a few requests' script calls
+    with the slow log at 0 us, keeping commands whose client address is `?:0` (a script's)."""
+    client.config_set("slowlog-log-slower-than", 0)
+    client.slowlog_reset()
+    asyncio.run(_script_sequence(redis_url, config_data, sessions[:5], [f"probe-{i}" for i in range(5)]))
+    entries = client.slowlog_get(client.slowlog_len())
+    client.config_set("slowlog-log-slower-than", 10_000)
+    client.slowlog_reset()
+    return {e["command"].split()[0].decode().lower() for e in entries if e["client_address"] == b"?:0"}
+
+
+def measure_phase(gateway: LocalGateway, client: redis.Redis, args, work: Path, phase: str, pins: int,
+                  inner: set[str]) -> dict:
+    """One load phase with every counter read before and after. Client round trips are the
+    calls of commands that no script runs inside Redis (`inner`), admin commands left out."""
+    pids = {"extproc": gateway.running[0].extproc.pid, "envoy": gateway.running[0].envoy.pid,
+            "redis": gateway.redis.pid, "upstream": gateway.providers["iris-1"].pid}
+    users = ["--users", str(pins)] if phase == "pinned" else ["--new-users", "--user-prefix", "new-",
+                                                               "--user-offset", str(pins * 10)]
+    stats_before = command_stats(client)
+    cpu_before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    load = run_loadgen(gateway.url, work / f"cost-{pins}-{phase}.json", "--rate", str(args.rate),
+                       "--requests", str(args.requests), "--model", MODEL, *users,
+                       max_seconds=args.requests / args.rate + 5)
+    time.sleep(0.2)  # releases run after the response: let the last ones land
+    cpu_after = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    stats_after = command_stats(client)
+    requests = load["ok"] or 1
+    commands = command_delta(stats_before, stats_after, ignore=ADMIN_COMMANDS)
+    client_commands = {k: v["calls"] for k, v in commands.items() if k not in inner}
+    script_calls = sum(v["calls"] for k, v in commands.items() if k in ("evalsha", "eval"))
+    return {
+        "phase": phase,
+        "pins": pins,
+        "load": {k: v for k, v in load.items() if k != "latencies_ms"},
+        "requests": load["ok"],
+        "client_commands": client_commands,
+        "round_trips_per_request": sum(client_commands.values()) / requests,
+        "script_calls_per_request": script_calls / requests,
+        "redis_commands_per_request": sum(v["calls"] for v in commands.values()) / requests,
+        "evalsha_usec_per_call": commands.get("evalsha", {}).get("usec_per_call", float("nan")),
+        "commandstats": commands,
+        "cpu_ms_per_request": {name: (cpu_after[name] - cpu_before[name]) * 1000 / requests for name in pids},
+        "live_after": live_counts(client),
+    }
+
+
+async def _script_sequence(redis_url: str, config_data: dict, sessions: list[str], new_sessions: list[str]) -> None:
+    """Per session, the calls of one request, one after another: get_pin, admit, release
+    (admit_pinned on the pre-loaded `sessions`, admit_unpinned on `new_sessions`)."""
+    client = connect(redis_url, timeout_seconds=30, max_connections=4)
+    state = RoutingState(client, parse_config(config_data))
+    try:
+        for sid in sessions:
+            await state.get_pin(MODEL, sid)
+            admission = await state.try_admit_pinned_session_request(MODEL, sid)
+            await state.release_request_lease(admission.lease, refresh_pin=True)
+        for sid in new_sessions:
+            await state.get_pin(MODEL, sid)
+            admission = await state.try_admit_unpinned_session_request("iris-1", MODEL, sid)
+            await state.release_request_lease(admission.lease, refresh_pin=True)
+    finally:
+        await client.aclose()
+
+
+async def _time_scripts(
+    redis_url: str, config_data: dict, sessions: list[str], fresh: list[str], client: redis.Redis
+) -> dict:
+    """Each script kind `len(sessions)` times in a row, one call at a time: server time per call
+    (us, INFO commandstats of EVALSHA, reset before each kind) and the client's round trip (us)."""
+    aclient = connect(redis_url, timeout_seconds=30, max_connections=4)
+    state = RoutingState(aclient, parse_config(config_data))
+    out: dict[str, dict] = {}
+    held: dict[str, list] = {"admit_pinned": [], "admit_unpinned": []}
+
+    async def timed(name: str, calls) -> None:
+        client.config_resetstat()
+        rtts = []
+        for call in calls:
+            began = time.perf_counter()
+            result = await call()
+            rtts.append((time.perf_counter() - began) * 1e6)
+            if name in held:
+                held[name].append(result.lease)
+        stat = client.info("commandstats").get("cmdstat_evalsha", {})
+        rtts.sort()
+        out[name] = {"calls": len(rtts), "server_us_per_call": float(stat.get("usec_per_call", "nan")),
+                     "rtt_p50_us": percentile(rtts, 50), "rtt_p99_us": percentile(rtts, 99)}
+
+    try:
+        await state.load_scripts()
+        await timed("get_pin", [lambda sid=sid: state.get_pin(MODEL, sid) for sid in sessions])
+        await timed("admit_pinned", [lambda sid=sid: state.try_admit_pinned_session_request(MODEL, sid)
+                                     for sid in sessions])
+        await timed("release", [lambda lease=lease: state.release_request_lease(lease, refresh_pin=True)
+                                for lease in held["admit_pinned"]])
+        await timed("admit_unpinned", [lambda sid=sid: state.try_admit_unpinned_session_request("iris-1", MODEL, sid)
+                                       for sid in fresh])
+        await timed("release_new_pin", [lambda lease=lease: state.release_request_lease(lease, refresh_pin=True)
+                                        for lease in held["admit_unpinned"]])
+    finally:
+        await aclient.aclose()
+    return out
+
+
+def measure_scripts_alone(
+    client: redis.Redis, redis_url: str, config_data: dict, sessions: list[str], calls: int
+) -> dict:
+    """Server time per script call with no other load on Redis, per script (see `_time_scripts`)."""
+    picked = [sessions[(i * 7919) % len(sessions)] for i in range(calls)]
+    fresh = [f"alone-{len(sessions)}-{i}" for i in range(calls)]
+    return asyncio.run(_time_scripts(redis_url, config_data, picked, fresh, client))
+
+
+def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    config_data = roomy_config(pin_timeout_seconds=HOURS, lease_timeout_seconds=HOURS, grace_seconds=HOURS)
+    sims = {name: ZERO_DELAY for name in ("iris-1", "iris-2", "tensorx")}
+    runs = []
+    alone: dict[int, dict] = {}
+    inner: set[str] | None = None
+    with LocalGateway(config_data=config_data, simulations=sims, work_dir=work / "gateway") as gateway:
+        client = redis.Redis.from_url(gateway.redis_url)
+        prefix_chars = gateway.config.session.completions_prefix_chars
+        for pins in args.pins:
+            client.flushall()
+            users = [user_name("user-", i) for i in range(pins)]
+            sessions = session_ids(gateway.secret, users, prefix_chars)
+            seconds = asyncio.run(preload(gateway.redis_url, config_data, sessions, args.leases))
+            loaded = live_counts(client)
+            print(f"pre-loaded {loaded['pins']} pins and {loaded['leases']} live leases in {seconds:.1f} s", flush=True)
+            # warm-up: connections and code paths, from the pre-loaded users
+            run_loadgen(gateway.url, work / "warmup.json", "--rate", "100", "--requests", str(args.warmup_requests),
+                        "--users", str(pins), "--model", MODEL, max_seconds=10)
+            if inner is None:
+                inner = inner_command_names(client, gateway.redis_url, config_data, sessions)
+            for phase in PHASES:  # pinned first: the new phase and the script timing add pins
+                run = measure_phase(gateway, client, args, work, phase, pins, inner)
+                run["preloaded"] = loaded
+                run["preload_seconds"] = seconds
+                runs.append(run)
+                if phase == "pinned":
+                    alone[pins] = measure_scripts_alone(client, gateway.redis_url, config_data, sessions,
+                                                        args.script_calls)
+        client.close()
+    return {"machine": machine_description(), "args": vars(args) | {"json": str(args.json)}, "runs": runs,
+            "scripts_alone": alone}
+
+
+def figures(result: dict[str, Any]) -> dict[str, float]:
+    """Headline figures per size and phase: round trips, script calls and CPU per request."""
+    out: dict[str, float] = {}
+    for run in result["runs"]:
+        key = f"{run['phase']}@{run['pins']}"
+        out[f"round_trips_per_request@{key}"] = run["round_trips_per_request"]
+        out[f"script_calls_per_request@{key}"] = run["script_calls_per_request"]
+        out[f"redis_commands_per_request@{key}"] = run["redis_commands_per_request"]
+        out[f"evalsha_usec_per_call@{key}"] = run["evalsha_usec_per_call"]
+        cpu = run["cpu_ms_per_request"]["extproc"]
+        out[f"extproc_cpu_ms_per_request@{key}"] = cpu
+        out[f"requests_per_extproc_core_s@{key}"] = 1000 / cpu if cpu > 0 else float("nan")
+    for pins, scripts in result["scripts_alone"].items():
+        for script, s in scripts.items():
+            out[f"script_server_us_per_call@{pins}:{script}"] = s["server_us_per_call"]
+    return out
+
+
+def report(result: dict[str, Any]) -> None:
+    rows = []
+    for run in result["runs"]:
+        cpu = run["cpu_ms_per_request"]
+        rows.append([run["pins"], run["phase"], run["live_after"]["pins"], run["requests"],
+                     run["round_trips_per_request"],
+                     run["script_calls_per_request"], run["redis_commands_per_request"], run["evalsha_usec_per_call"],
+                     cpu["extproc"], 1000 / cpu["extproc"] if cpu["extproc"] > 0 else float("nan"),
+                     cpu["envoy"], cpu["redis"], cpu["upstream"]])
+    print_table("Cost per request (CPU in ms per request)",
+                ["pins pre-loaded", "phase", "live pins after", "requests", "round trips/req", "script calls/req",
+                 "redis cmds/req",
+                 "evalsha us/call", "ext_proc CPU", "req/s per ext_proc core", "Envoy CPU", "Redis CPU",
+                 "upstream CPU"], rows)
+    rows = [[run["pins"], run["phase"], ", ".join(f"{k} {v / max(run['requests'], 1):.2f}"
+                                                  for k, v in sorted(run["client_commands"].items()))]
+            for run in result["runs"]]
+    print_table("Client round trips per request, by command", ["pins", "phase", "commands"], rows)
+    rows = [[pins, script, s["calls"], s["server_us_per_call"], s["rtt_p50_us"], s["rtt_p99_us"]]
+            for pins, scripts in result["scripts_alone"].items() for script, s in scripts.items()]
+    print_table("Script server time, scripts alone, one call at a time (us)",
+                ["pins", "script", "calls", "server us/call", "client RTT p50", "client RTT p99"], rows)
+    print()
+    for name, value in figures(result).items():
+        print_figure(name, value)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.cost", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pins", default="1000,100000", help="comma-separated numbers of pinned sessions")
+    parser.add_argument("--leases", type=int, default=10_000, help="live leases pre-loaded")
+    parser.add_argument("--rate", type=float, default=200.0, help="requests/s of each phase")
+    parser.add_argument("--requests", type=int, default=3000, help="requests per phase")
+    parser.add_argument("--warmup-requests", type=int, default=200)
+    parser.add_argument("--script-calls", type=int, default=2000,
+                        help="requests' worth of script calls timed with no other load, per kind")
+    parser.add_argument("--tiny", action="store_true", help="a few seconds in all (for the smoke test)")
+    parser.add_argument("--json", type=Path, help="write the full result here")
+    args = parser.parse_args(argv)
+    args.pins = [int(p) for p in args.pins.split(",") if p]
+    if args.tiny:
+        args.pins, args.leases, args.rate, args.requests, args.warmup_requests = [50, 500], 100, 50.0, 50, 10
+        args.script_calls = 50
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    load_before = load_average()
+    with tempfile.TemporaryDirectory(prefix="iris-bench-cost-") as tmp:
+        result = measure(args, Path(tmp))
+    result["load_average_before"] = load_before
+    print(f"machine: {result['machine']}; 1-min load average before {load_before}, after "
+          f"{result['machine']['load_average_1min']} (other work shares these cores)")
+    result["figures"] = figures(result)
+    report(result)
+    write_json(args.json, result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,208 @@
+"""Overhead: what the router adds to every request, and what it costs in throughput.
+
+One simulated upstream with zero delay is reached two ways: (a) `plain`, an Envoy rendered from
+envoy/envoy.yaml without the ext_proc filter whose catch-all route goes straight to the upstream's
+cluster, and (b) `gateway`, the full gateway (Envoy + ext_proc + Redis admission + release). The
+same load generator (`bench.loadgen`, its own process) sends short non-streamed chat requests from
+`--users` users (sessions, so nearly every request is a pinned-session admission) to each path:
+open loop at each fixed rate, then closed loop at saturation.
+
+Prints, per rate, latency p50/p90/p99 (ms) of both paths and the added latency (gateway minus
+plain, per percentile), then the saturation throughput (requests/s) of both, their ratio, and the
+ext_proc CPU per request at saturation (ms) with the requests/s one ext_proc core sustains. The
+ext_proc server's own decision histogram (`iris_decision_seconds`: parsed body to decision, its
+Redis round trips included) gives the mean decision time per rate, the part of the added latency
+that the routing itself (rather than the ext_proc messages) costs.
+
+    python -m bench.overhead --rates 50,200,500 --seconds 20 --json out/overhead.json --plot-dir docs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from bench.common import (
+    MODEL,
+    ZERO_DELAY,
+    cpu_seconds,
+    decision_totals,
+    load_average,
+    machine_description,
+    plain_envoy_bootstrap,
+    print_figure,
+    print_table,
+    roomy_config,
+    run_loadgen,
+    start_envoy,
+    write_json,
+)
+from extproc.local_gateway import LocalGateway
+from extproc.processes import free_port
+
+PATHS = ("plain", "gateway")
+
+
+def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """Start both paths over one upstream and run every load; returns the result document."""
+    sims = {name: ZERO_DELAY for name in ("iris-1", "iris-2", "tensorx")}
+    metrics_port = free_port()
+    metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+    config = roomy_config(metrics_listen=f"127.0.0.1:{metrics_port}")
+    with LocalGateway(config_data=config, simulations=sims, work_dir=work / "gateway") as gateway:
+        upstream = gateway.providers["iris-1"].port
+        bootstrap = plain_envoy_bootstrap(free_port(), free_port(), {"iris-1": upstream}, target_cluster="iris-1")
+        plain = start_envoy(bootstrap, work, "envoy-plain")
+        try:
+            urls = {"plain": f"http://127.0.0.1:{plain.port}", "gateway": gateway.url}
+            common = ["--users", str(args.users), "--model", MODEL]
+            for path in PATHS:  # warm-up: connections, pins of every user, code paths
+                run_loadgen(urls[path], work / f"warmup-{path}.json", "--rate", "100",
+                            "--requests", str(args.warmup_requests), *common, max_seconds=args.seconds)
+            rates = []
+            for rate in args.rates:
+                entry: dict[str, Any] = {"rate": rate}
+                for path in PATHS:
+                    decided_before = decision_totals(metrics_url)
+                    entry[path] = run_loadgen(
+                        urls[path], work / f"rate-{rate:g}-{path}.json", "--rate", str(rate),
+                        "--requests", str(int(rate * args.seconds)), *common, max_seconds=args.seconds,
+                    )
+                    if path == "gateway":
+                        seconds, count = (a - b for a, b in zip(decision_totals(metrics_url), decided_before))
+                        entry["decision_mean_ms"] = seconds * 1000 / count if count else float("nan")
+                rates.append(entry)
+            saturation: dict[str, Any] = {}
+            extproc_pid = gateway.running[0].extproc.pid
+            for path in PATHS:
+                cpu_before = cpu_seconds(extproc_pid)
+                saturation[path] = run_loadgen(
+                    urls[path], work / f"saturation-{path}.json", "--concurrency", str(args.concurrency),
+                    "--requests", str(args.saturation_max_requests), *common, max_seconds=args.saturation_seconds,
+                )
+                saturation[path]["extproc_cpu_s"] = cpu_seconds(extproc_pid) - cpu_before
+        finally:
+            plain.stop()
+    arguments = vars(args) | {"plot_dir": str(args.plot_dir), "json": str(args.json)}
+    return {"machine": machine_description(), "args": arguments,
+            "rates": rates, "saturation": saturation}
+
+
+def figures(result: dict[str, Any]) -> dict[str, float]:
+    """The headline figures: added latency per rate and percentile (ms), saturation throughput
+    of both paths (requests/s), their ratio, ext_proc CPU per request (ms) and per-core rate."""
+    out: dict[str, float] = {}
+    for entry in result["rates"]:
+        rate = f"{entry['rate']:g}"
+        for p in ("p50", "p90", "p99"):
+            out[f"added_{p}_ms@{rate}"] = entry["gateway"][f"{p}_ms"] - entry["plain"][f"{p}_ms"]
+        out[f"decision_mean_ms@{rate}"] = entry["decision_mean_ms"]
+    sat = result["saturation"]
+    out["saturation_plain_rps"] = sat["plain"]["achieved_rps"]
+    out["saturation_gateway_rps"] = sat["gateway"]["achieved_rps"]
+    out["throughput_ratio"] = sat["gateway"]["achieved_rps"] / sat["plain"]["achieved_rps"]
+    gateway_ok = sat["gateway"]["ok"]
+    cpu_ms = sat["gateway"]["extproc_cpu_s"] * 1000 / gateway_ok if gateway_ok else float("nan")
+    out["extproc_cpu_ms_per_request"] = cpu_ms
+    out["requests_per_extproc_core_s"] = 1000 / cpu_ms if cpu_ms else float("nan")
+    return out
+
+
+def report(result: dict[str, Any]) -> None:
+    rows = []
+    for entry in result["rates"]:
+        for path in PATHS:
+            r = entry[path]
+            rows.append([f"{entry['rate']:g}", path, r["achieved_rps"], r["p50_ms"], r["p90_ms"], r["p99_ms"],
+                         r["errors"], r["send_lag_p99_ms"]])
+        rows.append([f"{entry['rate']:g}", "added"] + [""] + [
+            entry["gateway"][f"{p}_ms"] - entry["plain"][f"{p}_ms"] for p in ("p50", "p90", "p99")] + ["", ""])
+        rows.append([f"{entry['rate']:g}", "of which routing decision (mean)", "", entry["decision_mean_ms"],
+                     "", "", "", ""])
+    print_table("Latency at fixed rates (ms)",
+                ["rate req/s", "path", "achieved req/s", "p50", "p90", "p99", "errors", "send lag p99"], rows)
+    sat = result["saturation"]
+    print_table("Saturation (closed loop)", ["path", "req/s", "p50 ms", "p99 ms", "errors"],
+                [[path, sat[path]["achieved_rps"], sat[path]["p50_ms"], sat[path]["p99_ms"], sat[path]["errors"]]
+                 for path in PATHS])
+    print()
+    for name, value in figures(result).items():
+        print_figure(name, value)
+
+
+def plot(result: dict[str, Any], plot_dir: Path) -> Path:
+    """docs/overhead_latency_cdf.png: the latency CDF of both paths, one panel per rate."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
+
+    entries = result["rates"]
+    fig, axes = plt.subplots(1, len(entries), figsize=(4.2 * len(entries), 3.6), squeeze=False, sharey=True)
+    for ax, entry in zip(axes[0], entries):
+        for path, style in (("plain", "-"), ("gateway", "--")):
+            values = sorted(entry[path]["latencies_ms"])
+            if values:
+                ax.plot(values, [(i + 1) / len(values) for i in range(len(values))], style, label=path)
+        ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_title(f"{entry['rate']:g} req/s")
+        ax.set_xlabel("latency (ms, log)")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].set_ylabel("share of requests")
+    axes[0][0].legend()
+    fig.suptitle("Request latency: plain Envoy vs full gateway (zero-delay upstream)")
+    fig.tight_layout()
+    plot_dir.mkdir(parents=True, exist_ok=True)
+    out = plot_dir / "overhead_latency_cdf.png"
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.overhead", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rates", default="50,200,500", help="comma-separated fixed rates, requests/s")
+    parser.add_argument("--seconds", type=float, default=20.0, help="duration of each fixed-rate run (s)")
+    parser.add_argument("--saturation-seconds", type=float, default=15.0, help="duration of each saturation run (s)")
+    parser.add_argument("--saturation-max-requests", type=int, default=100_000)
+    parser.add_argument("--concurrency", type=int, default=32, help="closed-loop workers at saturation")
+    parser.add_argument("--users", type=int, default=100, help="users (sessions) the requests come from")
+    parser.add_argument("--warmup-requests", type=int, default=300)
+    parser.add_argument("--tiny", action="store_true", help="a few seconds in all (for the smoke test)")
+    parser.add_argument("--json", type=Path, help="write the full result here")
+    parser.add_argument("--plot-dir", type=Path, help="write overhead_latency_cdf.png here (needs matplotlib)")
+    parser.add_argument("--from-json", type=Path, help="report (and plot) a result saved with --json; no run")
+    args = parser.parse_args(argv)
+    args.rates = [float(r) for r in args.rates.split(",") if r]
+    if args.tiny:
+        args.rates, args.seconds, args.saturation_seconds = [20.0, 50.0], 1.0, 1.0
+        args.users, args.warmup_requests, args.concurrency = 10, 10, 4
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.from_json:
+        result = json.loads(args.from_json.read_text())
+    else:
+        load_before = load_average()
+        with tempfile.TemporaryDirectory(prefix="iris-bench-overhead-") as tmp:
+            result = measure(args, Path(tmp))
+        result["load_average_before"] = load_before
+        result["figures"] = figures(result)
+        write_json(args.json, result)
+    print(f"machine: {result['machine']}; 1-min load average before {result.get('load_average_before')}, after "
+          f"{result['machine']['load_average_1min']} (other work shares these cores)")
+    report(result)
+    if args.plot_dir:
+        print(f"plot: {plot(result, args.plot_dir)}")
+
+
+if __name__ == "__main__":
+    main()
