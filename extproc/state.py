@@ -232,7 +232,7 @@ class RoutingState:
         pinned it first) or a capacity result. New pins may not use reserved slots (the spec)."""
         args = [provider, lease_id or new_id(), new_id()]
         reply = await self._call("admit_unpinned", model, session_id, args, now_ms)
-        return _decode(model, session_id, reply)
+        return _decode(model, session_id, reply, provider)
 
     async def try_admit_pinned_session_request(
         self, model: str, session_id: str, *, lease_id: str | None = None, now_ms: int | None = None
@@ -254,7 +254,7 @@ class RoutingState:
     ) -> CasResult:
         """Move the pin to `provider` and admit there, only if the live pin is `expected_pin`."""
         args = [expected_pin.id, provider, lease_id or new_id(), new_id()]
-        admission = _decode(model, session_id, await self._call("cas_repin", model, session_id, args, now_ms))
+        admission = _decode(model, session_id, await self._call("cas_repin", model, session_id, args, now_ms), provider)
         match = PinMatch.MISMATCHED if admission.result is Result.PIN_MISMATCH else PinMatch.MATCHED
         return CasResult(match, admission)
 
@@ -330,7 +330,10 @@ def _int_or_none(value: bytes | str | int) -> int | None:
     return None if value in (b"", "") else int(value)
 
 
-def _decode(model: str, session_id: str | None, reply: list, provider_name: str = "") -> Admission:
+def _decode(model: str, session_id: str | None, reply: list, lease_provider: str | None = None) -> Admission:
+    """`lease_provider`: the pair the admission targets (None: the pin's, for admit_pinned). A
+    repeated admission answers with the session's current pin, which may be on another provider
+    than the lease it replays, so the lease's provider never comes from the pin otherwise."""
     result, now, provider, pin_id, deadline, expiry, lease_id, lease_deadline = reply
     pin = None
     if provider not in (b"", ""):
@@ -340,7 +343,7 @@ def _decode(model: str, session_id: str | None, reply: list, provider_name: str 
     if result is Result.ADMITTED:
         lease = Lease(
             model=model,
-            provider=pin.provider if pin else provider_name,
+            provider=lease_provider or pin.provider,
             id=_text(lease_id),
             session_id=session_id if pin else None,
             pin_id=pin.id if pin else None,

@@ -243,3 +243,15 @@ async def test_every_key_of_a_model_shares_one_hash_tag(state, redis_client):
     await state.try_admit_request_without_pin("iris-2", "m", now_ms=T0)
     keys = [k.decode() for k in await redis_client.keys("*")]
     assert keys and all(k.startswith("{t:m}:") for k in keys)
+
+
+async def test_a_repeated_admission_names_the_pair_the_lease_is_on(state):
+    # A retry with the same lease id replays the first answer, with the session's current pin.
+    # The lease stays where it is recorded even when the pin has moved to another provider.
+    first = await state.try_admit_unpinned_session_request("iris-1", "m", "s1", lease_id="L1", now_ms=T0)
+    await state.try_compare_and_swap_pin_and_admit_request(first.pin, "m", "s1", "iris-2", lease_id="L2", now_ms=T0 + 1)
+    again = await state.try_admit_unpinned_session_request("iris-1", "m", "s1", lease_id="L1", now_ms=T0 + 2)
+    assert again.result is Result.ADMITTED and again.pin.provider == "iris-2"
+    assert (again.lease.provider, again.lease.deadline_ms) == ("iris-1", T0 + LEASE_MS)
+    assert (await state.release_request_lease(again.lease, False, now_ms=T0 + 3)).result is Result.RELEASED
+
