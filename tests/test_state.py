@@ -255,3 +255,31 @@ async def test_a_repeated_admission_names_the_pair_the_lease_is_on(state):
     assert (again.lease.provider, again.lease.deadline_ms) == ("iris-1", T0 + LEASE_MS)
     assert (await state.release_request_lease(again.lease, False, now_ms=T0 + 3)).result is Result.RELEASED
 
+
+async def test_renewing_a_lease_of_an_old_pin_never_keeps_the_new_pin_alive(state):
+    first = await state.try_admit_unpinned_session_request("iris-1", "m", "s1", lease_id="L1", now_ms=T0)
+    moved = await state.try_compare_and_swap_pin_and_admit_request(first.pin, "m", "s1", "iris-2", now_ms=T0 + 1)
+    await state.release_request_lease(moved.admission.lease, refresh_pin=False, now_ms=T0 + 2)
+    # The replayed answer carries the current (new) pin; the lease is still the old pin's.
+    replayed = await state.try_admit_unpinned_session_request("iris-1", "m", "s1", lease_id="L1", now_ms=T0 + 2)
+    now = T0 + 2
+    while now < T0 + 1 + PIN_MS + LEASE_MS:
+        now += LEASE_MS // 3
+        assert (await state.renew_request_lease(replayed.lease, now_ms=now)).result is Result.RENEWED
+    assert await state.get_pin("m", "s1", now_ms=now) is None
+
+
+async def test_releasing_an_expired_lease_leaves_a_same_named_lease_of_the_pin_counted(state):
+    first = await state.try_admit_unpinned_session_request("iris-2", "m", "s1", lease_id="L1", now_ms=T0)
+    # A retry reuses the lease id on another provider: L1 is now also the new pin's lease.
+    moved = await state.try_compare_and_swap_pin_and_admit_request(
+        first.pin, "m", "s1", "iris-1", lease_id="L1", now_ms=T0 + LEASE_MS // 2
+    )
+    assert moved.admission.result is Result.ADMITTED
+    late = await state.release_request_lease(first.lease, refresh_pin=False, now_ms=T0 + LEASE_MS + 1)
+    assert late.result is Result.LEASE_EXPIRED
+    # The pin's own L1 still counts against the per-session limit (2).
+    now = T0 + LEASE_MS + 2
+    assert (await state.try_admit_pinned_session_request("m", "s1", now_ms=now)).result is Result.ADMITTED
+    third = await state.try_admit_pinned_session_request("m", "s1", now_ms=now)
+    assert third.result is Result.PER_SESSION_IN_FLIGHT_REQUEST_LIMIT_REACHED
