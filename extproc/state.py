@@ -252,9 +252,15 @@ class RoutingState:
         lease_id: str | None = None,
         now_ms: int | None = None,
     ) -> CasResult:
-        """Move the pin to `provider` and admit there, only if the live pin is `expected_pin`."""
+        """Move the pin to `provider` and admit there, only if the live pin is `expected_pin`.
+
+        The expected pin's provider may no longer serve `model` in this proxy's configuration
+        (a configuration rollout): its pins key is passed as well, so the old pin stops counting
+        there at once (it is the same pin whenever the ids match)."""
         args = [expected_pin.id, provider, lease_id or new_id(), new_id()]
-        admission = _decode(model, session_id, await self._call("cas_repin", model, session_id, args, now_ms), provider)
+        old_pins = (self.keys.provider_pins(model, expected_pin.provider),)
+        reply = await self._call("cas_repin", model, session_id, args, now_ms, extra_keys=old_pins)
+        admission = _decode(model, session_id, reply, provider)
         match = PinMatch.MISMATCHED if admission.result is Result.PIN_MISMATCH else PinMatch.MATCHED
         return CasResult(match, admission)
 
@@ -291,6 +297,7 @@ class RoutingState:
         op_args: list[object],
         now_ms: int | None,
         with_providers: bool = True,
+        extra_keys: tuple[str, ...] = (),
     ) -> list:
         keys = [self.keys.pin(model, session_id), self.keys.session_leases(model, session_id)]
         if with_providers:
@@ -298,6 +305,7 @@ class RoutingState:
             args = ["" if now_ms is None else now_ms, *self._model_args[model], *op_args]
         else:
             args = ["" if now_ms is None else now_ms, *self._timing, 0]
+        keys += extra_keys
         return await self._scripts[script](keys=keys, args=args)
 
 

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from extproc.state import PinMatch, Result
+
+from extproc.config import parse_config
+from extproc.state import PinMatch, Result, RoutingState
+from tests.conftest import small_config_data
 
 T0 = 1_000_000_000
 LEASE_MS = 30_000
@@ -283,3 +286,17 @@ async def test_releasing_an_expired_lease_leaves_a_same_named_lease_of_the_pin_c
     assert (await state.try_admit_pinned_session_request("m", "s1", now_ms=now)).result is Result.ADMITTED
     third = await state.try_admit_pinned_session_request("m", "s1", now_ms=now)
     assert third.result is Result.PER_SESSION_IN_FLIGHT_REQUEST_LIMIT_REACHED
+
+
+async def test_a_repin_by_a_proxy_that_no_longer_routes_the_old_provider_frees_its_pin(
+    state, redis_client, redis_url
+):
+    # A configuration rollout: this proxy no longer routes model m to iris-2. The router repins
+    # sessions pinned there; the old pin must stop counting on iris-2 at once.
+    data = small_config_data(redis_url)
+    data["providers"][1]["models"] = {"z": {"features": ["chat"]}}
+    other = RoutingState(redis_client, parse_config(data))
+    first = await pin_new_session(state, "s1", "iris-2")
+    moved = await other.try_compare_and_swap_pin_and_admit_request(first.pin, "m", "s1", "iris-1", now_ms=T0 + 1)
+    assert moved.admission.result is Result.ADMITTED
+    assert await redis_client.zcount(state.keys.provider_pins("m", "iris-2"), f"({T0 + 1}", "+inf") == 0
