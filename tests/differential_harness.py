@@ -50,7 +50,7 @@ ALL_RESULT_NAMES = frozenset(
 
 
 # Every routing outcome (a decision's reason, a rejection's kind) the differential tests have seen.
-OUTCOMES: set[str] = set()
+OUTCOMES: collections.Counter = collections.Counter()
 ALL_OUTCOMES = frozenset({R.PINNED, R.NEW_PIN, R.REPINNED, R.OFFLOADED, R.UNPINNED,
                           R.UNSUPPORTED, R.UNAVAILABLE, R.CAPACITY})
 
@@ -107,7 +107,8 @@ def config_data(pin_ms: int, lease_ms: int, *, grace_seconds: float, other_proxy
 # Requests the routing rules send: (model, feature, sub-features).
 REQUESTS = [
     ("m", "chat", ()), ("m", "chat", ()), ("m", "chat", ("tools",)), ("m", "chat", ("vision",)),
-    ("m", "completions", ()), ("m", "embeddings", ()), ("e", "embeddings", ()), ("e", "chat", ()),
+    ("m", "completions", ()), ("m", "completions", ()), ("m", "embeddings", ()),
+    ("e", "embeddings", ()), ("e", "chat", ()),
 ]
 
 
@@ -409,7 +410,7 @@ class Checker:
         for task, request in requests.items():
             expect(task in decided, f"{request}: the model would also call {pending.get(task)}")
             self.compare_outcome(outcomes[task], decided[task], f"{request}")
-            OUTCOMES.add(decided[task].kind if isinstance(decided[task], R.Rejection) else decided[task].reason)
+            OUTCOMES[decided[task].kind if isinstance(decided[task], R.Rejection) else decided[task].reason] += 1
 
     def compare_call(self, op, entry: Entry) -> None:
         a = entry.args

@@ -156,8 +156,12 @@ MUTANTS = (
     Mutant(
         "old_pin_keeps_counting_after_repin",
         "after a compare-and-swap the old pin still counts against its provider's pin limit",
-        (("cas_repin", "drop_pin(ctx, ctx.by_name[pin.provider], pin)",
-          "redis.call('DEL', ctx.pin_key, ctx.session_leases_key)"),),
+        (("cas_repin", "drop_pin(ctx, old, pin)", "redis.call('DEL', ctx.pin_key, ctx.session_leases_key)"),),
+    ),
+    Mutant(
+        "old_pin_keeps_counting_after_repin_by_another_proxy",
+        "a proxy that no longer routes the model to the pin's provider repins, and the old pin keeps counting there",
+        (("cas_repin", "ctx.by_name[pin.provider] or {pins_key = KEYS[#KEYS]}", "ctx.by_name[pin.provider]"),),
     ),
     Mutant(
         "compare_and_swap_ignores_the_expected_pin",
