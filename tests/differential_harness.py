@@ -597,5 +597,18 @@ def check_redis(keys: dict[tuple[str, str, str], Key], checker: Checker, now: in
             if limits is not None and limits.max_per_session_in_flight_request_slots is not None:
                 expect(len(live) <= limits.max_per_session_in_flight_request_slots, f"{where}: {len(live)} leases")
 
+    # A session has at most one live pin: every live entry of a provider's pin set is the live
+    # pin of some session, as its pin hash (one per session) records it, on that provider.
+    pinned_by = {
+        (m, key.content["id"]): key.content["provider"]
+        for (m, kind, _), key in keys.items()
+        if kind == "pin" and int(key.content["expiry"]) > now
+    }
+    for (m, kind, provider), key in keys.items():
+        if kind == "pins":
+            for pin_id, expiry in key.content.items():
+                if expiry > now:
+                    expect(pinned_by.get((m, pin_id)) == provider, f"{key.name}: {pin_id} is no session's live pin")
+
     flagged = {(owner, m) for (m, kind, owner) in keys if kind == "degraded"}
     expect(flagged == degraded, f"degraded flags {flagged}, expected {degraded}")
