@@ -94,8 +94,8 @@ class Router:
 
     async def execute_request(self, request: RoutingRequest) -> Outcome:
         """Decide where `request` goes: the spec's execute_request, with its retry loop."""
-        if not any(self._supports(p, request) for p in self._providers):
-            # Every path of the spec ends in this rejection; no need to ask Redis first.
+        if not self.config.providers_for(request.model):
+            # No provider serves the model at all: every path of the spec ends in this rejection.
             return self.reject_request_as_unsupported_or_unavailable(request)
         if request.session_id is None:
             return await self.execute_request_without_pinning(request)

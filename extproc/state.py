@@ -254,9 +254,11 @@ class RoutingState:
         seen, the admission or None when none was attempted)."""
         args = [lease_id or new_id(), new_id(), *eligible]
         reply = await self._call("get_pin_and_admit", model, session_id, args, now_ms)
-        admission = _decode(model, session_id, reply[:8])
         pinned_branch = _text(reply[8]) == "pinned"
-        pin = admission.pin if pinned_branch else None
+        admission = _decode(model, session_id, reply[:8], None if pinned_branch else (eligible or [None])[0])
+        pin = None
+        if pinned_branch:  # the pin as get_pin saw it, before the admission extended its expiry
+            pin = Pin(admission.pin.provider, admission.pin.id, int(reply[9]), int(reply[10]))
         if admission.result in (Result.PINNED, Result.NOT_PINNED):
             return pin, None
         return pin, admission
@@ -268,7 +270,7 @@ class RoutingState:
         pinned it first) or a capacity result. New pins may not use reserved slots (the spec)."""
         args = [provider, lease_id or new_id(), new_id()]
         reply = await self._call("admit_unpinned", model, session_id, args, now_ms)
-        return _decode(model, session_id, reply)
+        return _decode(model, session_id, reply, provider)
 
     async def try_admit_pinned_session_request(
         self, model: str, session_id: str, *, lease_id: str | None = None, now_ms: int | None = None
@@ -288,9 +290,15 @@ class RoutingState:
         lease_id: str | None = None,
         now_ms: int | None = None,
     ) -> CasResult:
-        """Move the pin to `provider` and admit there, only if the live pin is `expected_pin`."""
+        """Move the pin to `provider` and admit there, only if the live pin is `expected_pin`.
+
+        The expected pin's provider may no longer serve `model` in this proxy's configuration
+        (a configuration rollout): its pins key is passed as well, so the old pin stops counting
+        there at once (it is the same pin whenever the ids match)."""
         args = [expected_pin.id, provider, lease_id or new_id(), new_id()]
-        admission = _decode(model, session_id, await self._call("cas_repin", model, session_id, args, now_ms))
+        old_pins = (self.keys.provider_pins(model, expected_pin.provider),)
+        reply = await self._call("cas_repin", model, session_id, args, now_ms, extra_keys=old_pins)
+        admission = _decode(model, session_id, reply, provider)
         match = PinMatch.MISMATCHED if admission.result is Result.PIN_MISMATCH else PinMatch.MATCHED
         return CasResult(match, admission)
 
@@ -333,6 +341,7 @@ class RoutingState:
         op_args: list[object],
         now_ms: int | None,
         with_providers: bool = True,
+        extra_keys: tuple[str, ...] = (),
     ) -> list:
         keys = [self.keys.pin(model, session_id), self.keys.session_leases(model, session_id)]
         if with_providers:
@@ -340,6 +349,7 @@ class RoutingState:
             args = ["" if now_ms is None else now_ms, *self._model_args[model], *op_args]
         else:
             args = ["" if now_ms is None else now_ms, *self._timing, 0]
+        keys += extra_keys
         return await self._scripts[script](keys=keys, args=args)
 
 
@@ -372,7 +382,10 @@ def _int_or_none(value: bytes | str | int) -> int | None:
     return None if value in (b"", "") else int(value)
 
 
-def _decode(model: str, session_id: str | None, reply: list, provider_name: str = "") -> Admission:
+def _decode(model: str, session_id: str | None, reply: list, lease_provider: str | None = None) -> Admission:
+    """`lease_provider`: the pair the admission targets (None: the pin's, for admit_pinned). A
+    repeated admission answers with the session's current pin, which may be on another provider
+    than the lease it replays, so the lease's provider never comes from the pin otherwise."""
     result, now, provider, pin_id, deadline, expiry, lease_id, lease_deadline = reply
     pin = None
     if provider not in (b"", ""):
@@ -382,7 +395,7 @@ def _decode(model: str, session_id: str | None, reply: list, provider_name: str 
     if result is Result.ADMITTED:
         lease = Lease(
             model=model,
-            provider=pin.provider if pin else provider_name,
+            provider=lease_provider or pin.provider,
             id=_text(lease_id),
             session_id=session_id if pin else None,
             pin_id=pin.id if pin else None,

@@ -3,6 +3,7 @@
 -- pin is still the expected one. A repin creates a new pin, so it may not use reserved slots.
 -- Replies PIN_MISMATCH (with the current pin) when the pin changed or expired.
 -- Op ARGV: expected pin id, target provider name, lease id, id for the new pin.
+-- KEYS ends with one more key: the pins key of the expected pin's provider.
 local ctx = read_context()
 local expected_pin_id = op_arg(ctx, 1)
 local target = ctx.by_name[op_arg(ctx, 2)]
@@ -26,6 +27,9 @@ local result = capacity_result(ctx, target, 0, false, true)
 if result ~= 'ADMITTED' then
   return reply(ctx, result, pin)
 end
-drop_pin(ctx, ctx.by_name[pin.provider], pin)
+-- The old pin stops counting on its provider at once, even when this proxy's configuration no
+-- longer routes the model there (a rollout): that provider's pins key then comes last in KEYS.
+local old = ctx.by_name[pin.provider] or {pins_key = KEYS[#KEYS]}
+drop_pin(ctx, old, pin)
 local new_pin, lease_deadline = create_pin(ctx, target, new_pin_id, lease_id)
 return reply(ctx, 'ADMITTED', new_pin, lease_id, lease_deadline)

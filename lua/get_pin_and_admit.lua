@@ -2,8 +2,9 @@
 -- provider is among the eligible ones, try_admit_pinned_session_request; if there is no pin,
 -- try_admit_unpinned_session_request on the first eligible provider. Atomic, so it behaves as
 -- the spec's steps with nothing interleaved between them. Replies as the admission would, with
--- PINNED (pin, nothing attempted) or NOT_PINNED (no eligible provider) otherwise, and a ninth
--- element naming the branch: "pinned" or "unpinned".
+-- PINNED (pin, nothing attempted) or NOT_PINNED (no eligible provider) otherwise, then three more
+-- elements: the branch ("pinned" or "unpinned"), and the pin's deadline and expiry as get_pin saw
+-- them, before the admission moved its expiry ("" without a pin).
 -- Op ARGV: lease id, id for a new pin, then the eligible provider names in priority order.
 local ctx = read_context()
 local lease_id, pin_id = op_arg(ctx, 1), op_arg(ctx, 2)
@@ -14,6 +15,7 @@ end
 local pin = read_pin(ctx)
 local answer
 if pin then
+  local seen_deadline, seen_expiry = pin.deadline, pin.expiry
   local p = ctx.by_name[pin.provider]
   if p and eligible[pin.provider] then
     answer = replayed_admission(ctx, p, lease_id) or admit_on_pin(ctx, p, pin, lease_id)
@@ -21,6 +23,8 @@ if pin then
     answer = reply(ctx, 'PINNED', pin)
   end
   table.insert(answer, 'pinned')
+  table.insert(answer, seen_deadline)
+  table.insert(answer, seen_expiry)
   return answer
 end
 local first = ARGV[ctx.args_at + 2] and ctx.by_name[ARGV[ctx.args_at + 2]]
@@ -30,4 +34,6 @@ else
   answer = reply(ctx, 'NOT_PINNED', nil)
 end
 table.insert(answer, 'unpinned')
+table.insert(answer, '')
+table.insert(answer, '')
 return answer

@@ -100,6 +100,15 @@ local function drop_pin(ctx, p, pin)
   end
 end
 
+-- Whether the lease is one of the session's current pin's: the pin is live, on the lease's
+-- provider, and the session's leases record it. Decided from the server's records, never from the
+-- caller's pin id: a repeated admission answers with the current pin, whichever pin the lease is
+-- on, and a lease id may be reused on another provider.
+local function lease_on_pin(ctx, p, pin, lease_id)
+  return pin ~= nil and pin.provider == p.name
+    and redis.call('ZSCORE', ctx.session_leases_key, lease_id) ~= false
+end
+
 local function latest_session_lease_deadline(ctx)
   local top = redis.call('ZRANGE', ctx.session_leases_key, -1, -1, 'WITHSCORES')
   return tonumber(top[2]) or 0

@@ -1,9 +1,10 @@
 -- Renew a live request lease for another lease timeout. An expired lease is LEASE_LOST and is
 -- never re-created (the caller cancels its request).
--- Op ARGV: provider name, lease id, pin id ("" for a temporary lease).
+-- The pin's expiry follows only when the lease is one of the current pin's (lease_on_pin).
+-- Op ARGV: provider name, lease id, pin id (unused: the server's records decide).
 local ctx = read_context()
 local p = ctx.by_name[op_arg(ctx, 1)]
-local lease_id, pin_id = op_arg(ctx, 2), op_arg(ctx, 3)
+local lease_id = op_arg(ctx, 2)
 if not p then
   return unknown_provider(ctx, op_arg(ctx, 1))
 end
@@ -14,13 +15,12 @@ end
 local deadline = math.max(score, ctx.now + ctx.lease_timeout)
 redis.call('ZADD', p.leases_key, 'XX', deadline, lease_id)
 redis.call('PEXPIRE', p.leases_key, ctx.lease_timeout + ctx.grace)
-local pin = nil
-if pin_id ~= '' then
-  pin = read_pin(ctx)
-  if pin and pin.id == pin_id then
-    redis.call('ZADD', ctx.session_leases_key, 'XX', deadline, lease_id)
-    pin.expiry = math.max(pin.expiry, deadline)
-    save_pin(ctx, p, pin)
-  end
+local pin = read_pin(ctx)
+if lease_on_pin(ctx, p, pin, lease_id) then
+  redis.call('ZADD', ctx.session_leases_key, 'XX', deadline, lease_id)
+  pin.expiry = math.max(pin.expiry, deadline)
+  save_pin(ctx, p, pin)
+else
+  pin = nil
 end
 return reply(ctx, 'RENEWED', pin, lease_id, deadline)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from extproc.state import PinMatch, Result
+from extproc.config import parse_config
+from extproc.state import PinMatch, Result, RoutingState
+from tests.conftest import small_config_data
 
 T0 = 1_000_000_000
 LEASE_MS = 30_000
@@ -272,3 +274,57 @@ async def test_fused_first_attempt_reports_capacity_results(state):
     assert pin is None and admission.result is Result.PIN_LIMIT_REACHED
     pin, admission = await state.get_pin_and_try_admit("m", "c", [], now_ms=T0)
     assert pin is None and admission is None
+
+
+async def test_a_repeated_admission_names_the_pair_the_lease_is_on(state):
+    # A retry with the same lease id replays the first answer, with the session's current pin.
+    # The lease stays where it is recorded even when the pin has moved to another provider.
+    first = await state.try_admit_unpinned_session_request("iris-1", "m", "s1", lease_id="L1", now_ms=T0)
+    await state.try_compare_and_swap_pin_and_admit_request(first.pin, "m", "s1", "iris-2", lease_id="L2", now_ms=T0 + 1)
+    again = await state.try_admit_unpinned_session_request("iris-1", "m", "s1", lease_id="L1", now_ms=T0 + 2)
+    assert again.result is Result.ADMITTED and again.pin.provider == "iris-2"
+    assert (again.lease.provider, again.lease.deadline_ms) == ("iris-1", T0 + LEASE_MS)
+    assert (await state.release_request_lease(again.lease, False, now_ms=T0 + 3)).result is Result.RELEASED
+
+
+async def test_renewing_a_lease_of_an_old_pin_never_keeps_the_new_pin_alive(state):
+    first = await state.try_admit_unpinned_session_request("iris-1", "m", "s1", lease_id="L1", now_ms=T0)
+    moved = await state.try_compare_and_swap_pin_and_admit_request(first.pin, "m", "s1", "iris-2", now_ms=T0 + 1)
+    await state.release_request_lease(moved.admission.lease, refresh_pin=False, now_ms=T0 + 2)
+    # The replayed answer carries the current (new) pin; the lease is still the old pin's.
+    replayed = await state.try_admit_unpinned_session_request("iris-1", "m", "s1", lease_id="L1", now_ms=T0 + 2)
+    now = T0 + 2
+    while now < T0 + 1 + PIN_MS + LEASE_MS:
+        now += LEASE_MS // 3
+        assert (await state.renew_request_lease(replayed.lease, now_ms=now)).result is Result.RENEWED
+    assert await state.get_pin("m", "s1", now_ms=now) is None
+
+
+async def test_releasing_an_expired_lease_leaves_a_same_named_lease_of_the_pin_counted(state):
+    first = await state.try_admit_unpinned_session_request("iris-2", "m", "s1", lease_id="L1", now_ms=T0)
+    # A retry reuses the lease id on another provider: L1 is now also the new pin's lease.
+    moved = await state.try_compare_and_swap_pin_and_admit_request(
+        first.pin, "m", "s1", "iris-1", lease_id="L1", now_ms=T0 + LEASE_MS // 2
+    )
+    assert moved.admission.result is Result.ADMITTED
+    late = await state.release_request_lease(first.lease, refresh_pin=False, now_ms=T0 + LEASE_MS + 1)
+    assert late.result is Result.LEASE_EXPIRED
+    # The pin's own L1 still counts against the per-session limit (2).
+    now = T0 + LEASE_MS + 2
+    assert (await state.try_admit_pinned_session_request("m", "s1", now_ms=now)).result is Result.ADMITTED
+    third = await state.try_admit_pinned_session_request("m", "s1", now_ms=now)
+    assert third.result is Result.PER_SESSION_IN_FLIGHT_REQUEST_LIMIT_REACHED
+
+
+async def test_a_repin_by_a_proxy_that_no_longer_routes_the_old_provider_frees_its_pin(
+    state, redis_client, redis_url
+):
+    # A configuration rollout: this proxy no longer routes model m to iris-2. The router repins
+    # sessions pinned there; the old pin must stop counting on iris-2 at once.
+    data = small_config_data(redis_url)
+    data["providers"][1]["models"] = {"z": {"features": ["chat"]}}
+    other = RoutingState(redis_client, parse_config(data))
+    first = await pin_new_session(state, "s1", "iris-2")
+    moved = await other.try_compare_and_swap_pin_and_admit_request(first.pin, "m", "s1", "iris-1", now_ms=T0 + 1)
+    assert moved.admission.result is Result.ADMITTED
+    assert await redis_client.zcount(state.keys.provider_pins("m", "iris-2"), f"({T0 + 1}", "+inf") == 0
