@@ -206,7 +206,7 @@ class Sampler:
     async def run(self, start: float, until: asyncio.Event) -> None:
         loop = asyncio.get_running_loop()
         try:
-            while not until.is_set():
+            while True:  # at least one sample, however short the replay
                 t = loop.time() - start
                 for name in OWN:
                     async with self.http.get(self.urls[name] + "/stats") as response:
@@ -217,6 +217,8 @@ class Sampler:
                     for name in OWN:
                         count = await self.redis.zcount(self.keys.provider_pins(MODEL, name), f"({now}", "+inf")
                         self.pins[name].append((t, count))
+                if until.is_set():
+                    break
                 await asyncio.sleep(self.period)
         finally:
             if self.redis is not None:
