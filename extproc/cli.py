@@ -40,6 +40,7 @@ def _parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser("serve", help="run the ext_proc gRPC server")
     serve.add_argument("--config", required=True)
+    serve.add_argument("--event-loop", choices=["uvloop", "asyncio"], default="uvloop")
     serve.set_defaults(func=_serve)
 
     up = commands.add_parser("up", help="start a local gateway: Redis, Envoy, ext_proc and simulated providers")
@@ -70,11 +71,22 @@ def _serve(args) -> int:
 
     config = load_config(args.config)
     try:
-        asyncio.run(serve(config))
+        run_event_loop(serve(config), args.event_loop)
     except (SecretMissing, CredentialError) as exc:
         print(f"iris-extproc: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def run_event_loop(main, event_loop: str) -> None:
+    """Run `main` on uvloop (faster per message for grpc.aio: about 10 % less CPU per request
+    here, bench/overhead.py) or on the standard asyncio loop."""
+    if event_loop == "uvloop":
+        import uvloop
+
+        uvloop.run(main)
+    else:
+        asyncio.run(main)
 
 
 def _up(args) -> int:
