@@ -118,7 +118,10 @@ def _wait_for_signal() -> None:
 
 
 def _pairs(flags: DegradedFlags, config: Config, provider: str, model: str | None) -> list[tuple[str, str]]:
-    config.provider(provider)  # KeyError for an unknown provider
+    try:
+        config.provider(provider)
+    except KeyError:
+        raise SystemExit(f"iris-extproc: no provider named {provider!r} in the configuration") from None
     pairs = flags.pairs(provider, model)
     if not pairs:
         raise SystemExit(f"iris-extproc: {provider} has no managed model {model or ''}: unlimited providers are never degraded")
@@ -126,28 +129,29 @@ def _pairs(flags: DegradedFlags, config: Config, provider: str, model: str | Non
 
 
 def _drain(args) -> int:
-    async def run():
-        config = load_config(args.config)
-        redis = connect(config.redis.url, config.redis.socket_timeout_seconds)
-        flags = DegradedFlags(redis, config)
-        for provider, model in _pairs(flags, config, args.provider, args.model):
-            await flags.set(provider, model, f"manual: {args.reason}", args.ttl_seconds, MANUAL)
-            print(f"drained {provider} {model}")
-        await redis.aclose()
-
-    asyncio.run(run())
-    return 0
+    return _set_manual_flags(args, drain=True)
 
 
 def _undrain(args) -> int:
+    return _set_manual_flags(args, drain=False)
+
+
+def _set_manual_flags(args, drain: bool) -> int:
+    """Set (drain) or clear (undrain) the operator's degraded flag of each pair named."""
+
     async def run():
         config = load_config(args.config)
         redis = connect(config.redis.url, config.redis.socket_timeout_seconds)
-        flags = DegradedFlags(redis, config)
-        for provider, model in _pairs(flags, config, args.provider, args.model):
-            await flags.clear(provider, model, MANUAL)
-            print(f"undrained {provider} {model}")
-        await redis.aclose()
+        try:
+            flags = DegradedFlags(redis, config)
+            for provider, model in _pairs(flags, config, args.provider, args.model):
+                if drain:
+                    await flags.set(provider, model, f"manual: {args.reason}", args.ttl_seconds, MANUAL)
+                else:
+                    await flags.clear(provider, model, MANUAL)
+                print(f"{'drained' if drain else 'undrained'} {provider} {model}")
+        finally:
+            await redis.aclose()
 
     asyncio.run(run())
     return 0
