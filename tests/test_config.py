@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
+import yaml
 
 from extproc.config import ConfigError, load_config, parse_config
 from tests.conftest import small_config_data
@@ -82,3 +86,13 @@ def test_bad_yaml_file(tmp_path):
     with pytest.raises(ConfigError) as info:
         load_config(path)
     assert info.value.problems[0].startswith("<file>: not valid YAML")
+
+
+def test_serve_refuses_a_bad_file_with_exit_code_2(tmp_path):
+    data = small_config_data()
+    data["providers"][1]["models"]["m"]["limits"] = {"max_pinned_sessions": -1}
+    path = tmp_path / "routing.yaml"
+    path.write_text(yaml.safe_dump(data))
+    result = subprocess.run([sys.executable, "-m", "extproc.cli", "serve", "--config", str(path)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "providers[1].models.m.limits.max_pinned_sessions: must be >= 0" in result.stderr
