@@ -19,7 +19,7 @@ import httpx
 import redis
 
 from tests.fleet import LoadPlan, pinned_providers_per_session, run_load
-from tests.gateway_support import LIMITS, MODEL, start_gateway, wait_for_no_leases
+from tests.gateway_support import LIMITS, MODEL, gateway_config, start_gateway, wait_for_no_leases
 
 
 def main() -> None:
@@ -29,9 +29,16 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, default=3_000)
     parser.add_argument("--concurrency", type=int, default=48)
     parser.add_argument("--abort-share", type=float, default=0.1)
+    parser.add_argument("--pins", type=int, default=300, help="max_pinned_sessions of each own provider")
+    parser.add_argument("--slots", type=int, default=12, help="max_global_in_flight_request_slots of each own provider")
     args = parser.parse_args()
 
-    gateway = start_gateway(tempfile.mkdtemp(prefix="iris-soak-"), instances=args.instances)
+    limits = {**LIMITS, "max_pinned_sessions": args.pins, "max_global_in_flight_request_slots": args.slots,
+              "global_in_flight_request_slots_reserved_for_pinned_sessions": 2}
+    providers = gateway_config()["providers"]
+    for provider in providers[:2]:
+        provider["models"][MODEL]["limits"] = limits
+    gateway = start_gateway(tempfile.mkdtemp(prefix="iris-soak-"), instances=args.instances, providers=providers)
     try:
         plan = LoadPlan(
             requests=args.requests, sessions=args.sessions, concurrency=args.concurrency,
@@ -48,7 +55,7 @@ def main() -> None:
         print(f"transport errors    {sum(1 for r in records if r.transport_error and not r.abort)} (aborts excluded)")
         print(f"reasons             {dict(collections.Counter(r.reason for r in records))}")
         print(f"providers           {dict(collections.Counter(r.provider for r in records))}")
-        limit = LIMITS["max_global_in_flight_request_slots"]
+        limit = args.slots
         for name in ("iris-1", "iris-2"):
             stats = httpx.get(f"{gateway.provider_url(name)}/stats", timeout=5).json()
             peak = stats["max_in_flight_by_model"].get(MODEL, 0)
