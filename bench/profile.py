@@ -5,7 +5,9 @@ it up, then samples the ext_proc process with `py-spy record` (Python frames, id
 out) while `bench.loadgen` sends `--rate` requests/s for `--seconds`. Prints the functions with
 the most samples on their own (self) and with them anywhere on the stack (inclusive), as shares
 of all active samples, and the share per area (gRPC, protobuf, Redis client, asyncio, routing,
-parsing, ...). `--collapsed PATH` keeps py-spy's raw collapsed stacks (for flame graphs).
+parsing, ...). It also reads each ext_proc thread's CPU time from /proc before and after the load
+(not sampled): CPU per request by thread and in all, and the requests/s one core would sustain at
+that rate. `--collapsed PATH` keeps py-spy's raw collapsed stacks (for flame graphs).
 
     python -m bench.profile --rate 300 --seconds 20 --json out/profile.json
 """
@@ -31,6 +33,7 @@ from bench.common import (
     print_table,
     roomy_config,
     run_loadgen,
+    stat_cpu_seconds,
     write_json,
 )
 from extproc.local_gateway import LocalGateway
@@ -38,10 +41,18 @@ from extproc.local_gateway import LocalGateway
 # First matching rule names the area of a sample's leaf frame (`function (path:line)`). py-spy
 # sees Python frames only: time in C code is charged to the Python frame that called it, so the
 # first rules name the frames that mostly stand for native code.
+# The server runs on uvloop (`serve --event-loop uvloop`, the default): its loop is native code
+# below `Runner.run`, so a sample whose leaf is `Runner.run` is in uvloop itself (polling, timers,
+# callbacks, C task steps, gRPC aio completions). The pure-asyncio loop (`--event-loop asyncio`)
+# shows as `EpollSelector.select` and `Handle._run` instead.
 AREAS = (
     ("gRPC poller thread (native)", re.compile(r"^Thread\.run \(.*threading\.py")),
+    ("event loop in native code (uvloop: polling, callbacks, C task steps, gRPC aio)",
+     re.compile(r"^(Runner\.run \(.*asyncio/runners\.py|run_until_complete )")),
     ("asyncio: epoll wait and wakeups", re.compile(r"^EpollSelector\.select ")),
     ("event-loop callbacks in native code (C task steps, gRPC aio)", re.compile(r"^Handle\._run ")),
+    ("socket writes through asyncio streams (Redis client; native send)",
+     re.compile(r"^StreamWriter\.(write|writelines) \(.*asyncio/streams\.py")),
     ("gRPC: stream read/write awaited in Process (native)",
      re.compile(r"^ExternalProcessor\.(Process|_next_message) ")),
     ("protobuf", re.compile(r"google/protobuf|_pb2|envoy/service|envoy/config")),
@@ -119,6 +130,20 @@ def summarize(stacks: list[tuple[list[str], int]], top: int) -> dict[str, Any]:
     }
 
 
+def thread_cpu_seconds(pid: int) -> dict[str, float]:
+    """User + system CPU time (s) of each thread of `pid` by thread name (/proc/<pid>/task; the
+    main thread is `main`, threads of one name summed)."""
+    out: dict[str, float] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            name = "main" if task.name == str(pid) else (task / "comm").read_text().strip()
+            seconds = stat_cpu_seconds(task / "stat")
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # the thread ended meanwhile
+        out[name] = out.get(name, 0.0) + seconds
+    return out
+
+
 def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     sims = {name: ZERO_DELAY for name in ("iris-1", "iris-2", "tensorx")}
     raw = work / "profile.txt"
@@ -128,10 +153,13 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         argv = [py_spy(), "record", "--pid", str(gateway.running[0].extproc.pid), "--format", "raw",
                 "--output", str(raw), "--duration", str(int(args.seconds) + 1), "--rate", str(args.sample_rate),
                 *(["--native"] if args.native else ["--nonblocking"])]
+        pid = gateway.running[0].extproc.pid
         spy = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         try:
+            before = thread_cpu_seconds(pid)
             load = run_loadgen(gateway.url, work / "load.json", "--rate", str(args.rate),
                                "--requests", str(int(args.rate * args.seconds)), *common, max_seconds=args.seconds)
+            after = thread_cpu_seconds(pid)
         finally:
             _, err = spy.communicate(timeout=args.seconds + 60)
         if spy.returncode != 0 or not raw.exists():
@@ -142,18 +170,27 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         args.collapsed.write_text(text)
     summary = summarize(parse_collapsed(text), args.top)
     load.pop("latencies_ms", None)
+    requests = load["ok"] or 1
+    threads = {name: (after[name] - before.get(name, 0.0)) * 1000 / requests for name in after}
     return {"machine": machine_description(), "args": {k: str(v) for k, v in vars(args).items()},
-            "load": load, **summary}
+            "load": load, "thread_cpu_ms_per_request": dict(sorted(threads.items(), key=lambda kv: -kv[1])),
+            **summary}
 
 
 def report(result: dict[str, Any]) -> None:
     load = result["load"]
     print(f"load: {load['ok']} OK requests at {load['achieved_rps']:.1f} req/s; {result['samples']} samples")
+    threads = result["thread_cpu_ms_per_request"]
+    total = sum(threads.values())
+    print_table("ext_proc CPU during the load, by thread (/proc, not sampled)", ["thread", "CPU ms/request"],
+                [*threads.items(), ("all", total)])
     print_table("Areas (self time, share of active samples)", ["area", "share"], result["areas"])
     print_table("Top functions by self time", ["function", "share"], result["self"])
     print_table("Top functions by inclusive time", ["function", "share"], result["inclusive"])
     print()
     print_figure("profile_samples", result["samples"])
+    print_figure("extproc_cpu_ms_per_request", total)
+    print_figure("requests_per_extproc_core_s", 1000 / total if total > 0 else float("nan"))
     for name, share in result["areas"]:
         print_figure(f"area_share:{name.replace(' ', '_')}", share)
 
@@ -181,7 +218,7 @@ def main(argv: list[str] | None = None) -> None:
         result = measure(args, Path(tmp))
     result["load_average_before"] = load_before
     print(f"machine: {result['machine']}; 1-min load average before {load_before}, after "
-          f"{result['machine']['load_average_1min']} (other work shares these cores)")
+          f"{result['machine']['load_average_1min']}")
     report(result)
     write_json(args.json, result)
 
