@@ -7,7 +7,10 @@ the most samples on their own (self) and with them anywhere on the stack (inclus
 of all active samples, and the share per area (gRPC, protobuf, Redis client, asyncio, routing,
 parsing, ...). It also reads each ext_proc thread's CPU time from /proc before and after the load
 (not sampled): CPU per request by thread and in all, and the requests/s one core would sustain at
-that rate. `--collapsed PATH` keeps py-spy's raw collapsed stacks (for flame graphs).
+that rate. py-spy counts a thread blocked in native code as active, so sample shares across
+threads are not CPU shares (gRPC's poller thread gets many more samples than CPU); the main
+thread's areas are therefore also given alone, and in ms of its measured CPU per request.
+`--collapsed PATH` keeps py-spy's raw collapsed stacks (for flame graphs).
 
     python -m bench.profile --rate 300 --seconds 20 --json out/profile.json
 """
@@ -108,11 +111,14 @@ def area(frame: str) -> str:
 
 
 def summarize(stacks: list[tuple[list[str], int]], top: int) -> dict[str, Any]:
-    """Self and inclusive shares per function (line numbers dropped) and self share per area."""
+    """Self and inclusive shares per function (line numbers dropped) and self share per area, of
+    all samples; and the share per area of the main thread's samples alone (stacks not rooted in
+    `Thread._bootstrap`: the event loop, where the routing runs)."""
     total = sum(count for _, count in stacks) or 1
     self_counts: Counter[str] = Counter()
     inclusive: Counter[str] = Counter()
     areas: Counter[str] = Counter()
+    main_areas: Counter[str] = Counter()
     for frames, count in stacks:
         frames = [f for f in frames if not f.startswith("process ") and not f.startswith("thread ")]
         if not frames:
@@ -120,13 +126,18 @@ def summarize(stacks: list[tuple[list[str], int]], top: int) -> dict[str, Any]:
         leaf = frames[-1]
         self_counts[short(leaf)] += count
         areas[area(leaf)] += count
+        if not frames[0].startswith("Thread._bootstrap "):
+            main_areas[area(leaf)] += count
         for name in {short(f) for f in frames}:
             inclusive[name] += count
+    main_total = sum(main_areas.values()) or 1
     return {
         "samples": total,
         "self": [(name, n / total) for name, n in self_counts.most_common(top)],
         "inclusive": [(name, n / total) for name, n in inclusive.most_common(top)],
         "areas": [(name, n / total) for name, n in areas.most_common()],
+        "main_thread_samples": sum(main_areas.values()),
+        "main_thread_areas": [(name, n / main_total) for name, n in main_areas.most_common()],
     }
 
 
@@ -185,6 +196,10 @@ def report(result: dict[str, Any]) -> None:
     print_table("ext_proc CPU during the load, by thread (/proc, not sampled)", ["thread", "CPU ms/request"],
                 [*threads.items(), ("all", total)])
     print_table("Areas (self time, share of active samples)", ["area", "share"], result["areas"])
+    main_ms = threads.get("main", float("nan"))
+    print_table(f"Main thread (event loop) areas: share of its {result['main_thread_samples']} samples, and CPU ms/request "
+                "(share x the main thread's CPU)", ["area", "share", "CPU ms/request"],
+                [(name, share, share * main_ms) for name, share in result["main_thread_areas"]])
     print_table("Top functions by self time", ["function", "share"], result["self"])
     print_table("Top functions by inclusive time", ["function", "share"], result["inclusive"])
     print()
