@@ -149,7 +149,7 @@ def plot(result: dict[str, Any], plot_dir: Path) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import NullFormatter, ScalarFormatter
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     entries = result["rates"]
     fig, axes = plt.subplots(1, len(entries), figsize=(4.2 * len(entries), 3.6), squeeze=False, sharey=True)
@@ -159,7 +159,8 @@ def plot(result: dict[str, Any], plot_dir: Path) -> Path:
             if values:
                 ax.plot(values, [(i + 1) / len(values) for i in range(len(values))], style, label=path)
         ax.set_xscale("log")
-        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))  # labels within one decade too
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
         ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_title(f"{entry['rate']:g} req/s")
         ax.set_xlabel("latency (ms, log)")
