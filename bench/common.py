@@ -184,7 +184,13 @@ def load_summary(samples: list[Sample], wall_seconds: float) -> dict[str, Any]:
 
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time (s) of process `pid`, all threads, from /proc/<pid>/stat."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return stat_cpu_seconds(Path(f"/proc/{pid}/stat"))
+
+
+def stat_cpu_seconds(stat: Path) -> float:
+    """User + system CPU time (s) in a /proc stat file (a process's, or a thread's
+    /proc/<pid>/task/<tid>/stat)."""
+    fields = stat.read_text().rsplit(")", 1)[1].split()
     # fields[0] is field 3 (state); utime and stime are fields 14 and 15.
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 

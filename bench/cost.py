@@ -7,21 +7,26 @@ on those pins. Pin and lease timeouts are long (hours), so everything stays live
 renewed during a run. Then the load generator (its own process) sends short chat requests at
 `--rate` requests/s through the full gateway, in two phases:
 
-* `pinned`: users whose sessions were pre-loaded (get_pin, admit_pinned, release);
-* `new`: a new user, so a new session and pin, every request (get_pin, admit_unpinned, release).
+* `pinned`: users whose sessions were pre-loaded (the hot path calls get_pin_and_admit, which
+  finds the pin and admits on it, then release);
+* `new`: a new user, so a new session and pin, every request (get_pin_and_admit, which finds no
+  pin and pins the session to the first own provider, then release).
 
 Around each phase it reads `INFO commandstats` (calls and server time of every command, those run
 inside scripts included) and /proc/<pid>/stat CPU time of ext_proc, Envoy, Redis and the upstream.
-Client round trips are the calls of commands that no script runs: which commands the scripts run
-inside Redis is learnt once from the slow log at a 0 us threshold (a script's commands carry the
-client address `?:0`). After the pinned phase, `--script-calls` calls of each script also run
-alone, one at a time, with `INFO commandstats` reset before each script: the server time per call
-of that script without CPU contention from the gateway, and the client's round trip.
+Then `--trace-requests` more requests of the same kind run with the slow log at a 0 us threshold,
+which logs every command with its client (a script's own commands carry the client address `?:0`,
+a script call names its script by SHA): the client round trips per request, by script name or
+command, background ones (instance heartbeat, degraded-flag refresh) included. After the pinned
+phase, `--script-calls` calls of each routing-state script (`extproc.state.SCRIPT_NAMES`, the fused
+get_pin_and_admit in both its branches) also run alone, one at a time, with `INFO commandstats`
+reset before each: the server time per call of that script without CPU contention from the
+gateway, and the client's round trip.
 
-Prints per size and phase: client round trips per request (by command), script calls per request,
-Redis commands executed per request, EVALSHA server time per call under load (us), CPU per request
-(ms) of each process and the requests/s one ext_proc core sustains; then per size and script the
-server time per call alone (us).
+Prints per size and phase: client round trips per request (in all, by script and by command),
+script calls per request, Redis commands executed per request, EVALSHA server time per call under
+load (us), CPU per request (ms) of each process and the requests/s one ext_proc core sustains;
+then per script and size the server time per call alone (us).
 
     python -m bench.cost --pins 1000,100000 --leases 10000 --rate 200 --requests 3000 --json out/cost.json
 """
@@ -30,8 +35,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +63,7 @@ from bench.loadgen import request_body, user_name
 from extproc.config import parse_config
 from extproc.local_gateway import LocalGateway
 from extproc.openai_request import parse_request, session_id
-from extproc.state import RoutingState, connect
+from extproc.state import SCRIPT_NAMES, Lease, RoutingState, connect, new_id, script_source
 
 HOURS = 10 * 3600
 PRELOAD_BATCH = 512
@@ -101,45 +108,39 @@ def live_counts(client: redis.Redis) -> dict[str, int]:
             "leases": client.zcount(f"{tag}:leases:iris-1", f"({now}", "+inf")}
 
 
-def inner_command_names(client: redis.Redis, redis_url: str, config_data: dict, sessions: list[str]) -> set[str]:
-    """Names of the commands the routing scripts run inside Redis: a few requests' script calls
-    with the slow log at 0 us, keeping commands whose client address is `?:0` (a script's)."""
-    client.config_set("slowlog-log-slower-than", 0)
-    client.slowlog_reset()
-    asyncio.run(_script_sequence(redis_url, config_data, sessions[:5], [f"probe-{i}" for i in range(5)]))
-    entries = client.slowlog_get(client.slowlog_len())
-    client.config_set("slowlog-log-slower-than", 10_000)
-    client.slowlog_reset()
-    return {e["command"].split()[0].decode().lower() for e in entries if e["client_address"] == b"?:0"}
+def script_names_by_sha() -> dict[str, str]:
+    """Script name of each routing-state script's SHA1 (what EVALSHA names it by)."""
+    return {hashlib.sha1(script_source(name).encode()).hexdigest(): name for name in SCRIPT_NAMES}
 
 
-def measure_phase(gateway: LocalGateway, client: redis.Redis, args, work: Path, phase: str, pins: int,
-                  inner: set[str]) -> dict:
-    """One load phase with every counter read before and after. Client round trips are the
-    calls of commands that no script runs inside Redis (`inner`), admin commands left out."""
+def phase_users(phase: str, pins: int, prefix: str = "new-", offset: int = 0) -> list[str]:
+    """Load generator flags: the pre-loaded users (pinned), or a new user per request (new)."""
+    if phase == "pinned":
+        return ["--users", str(pins)]
+    return ["--new-users", "--user-prefix", prefix, "--user-offset", str(pins * 10 + offset)]
+
+
+def measure_phase(gateway: LocalGateway, client: redis.Redis, args, work: Path, phase: str, pins: int) -> dict:
+    """One load phase with every counter read before and after: script calls, Redis commands
+    (those scripts run included) and CPU per request."""
     pids = {"extproc": gateway.running[0].extproc.pid, "envoy": gateway.running[0].envoy.pid,
             "redis": gateway.redis.pid, "upstream": gateway.providers["iris-1"].pid}
-    users = ["--users", str(pins)] if phase == "pinned" else ["--new-users", "--user-prefix", "new-",
-                                                               "--user-offset", str(pins * 10)]
     stats_before = command_stats(client)
     cpu_before = {name: cpu_seconds(pid) for name, pid in pids.items()}
     load = run_loadgen(gateway.url, work / f"cost-{pins}-{phase}.json", "--rate", str(args.rate),
-                       "--requests", str(args.requests), "--model", MODEL, *users,
+                       "--requests", str(args.requests), "--model", MODEL, *phase_users(phase, pins),
                        max_seconds=args.requests / args.rate + 5)
     time.sleep(0.2)  # releases run after the response: let the last ones land
     cpu_after = {name: cpu_seconds(pid) for name, pid in pids.items()}
     stats_after = command_stats(client)
     requests = load["ok"] or 1
     commands = command_delta(stats_before, stats_after, ignore=ADMIN_COMMANDS)
-    client_commands = {k: v["calls"] for k, v in commands.items() if k not in inner}
     script_calls = sum(v["calls"] for k, v in commands.items() if k in ("evalsha", "eval"))
     return {
         "phase": phase,
         "pins": pins,
         "load": {k: v for k, v in load.items() if k != "latencies_ms"},
         "requests": load["ok"],
-        "client_commands": client_commands,
-        "round_trips_per_request": sum(client_commands.values()) / requests,
         "script_calls_per_request": script_calls / requests,
         "redis_commands_per_request": sum(v["calls"] for v in commands.values()) / requests,
         "evalsha_usec_per_call": commands.get("evalsha", {}).get("usec_per_call", float("nan")),
@@ -149,59 +150,124 @@ def measure_phase(gateway: LocalGateway, client: redis.Redis, args, work: Path, 
     }
 
 
-async def _script_sequence(redis_url: str, config_data: dict, sessions: list[str], new_sessions: list[str]) -> None:
-    """Per session, the calls of one request, one after another: get_pin, admit, release
-    (admit_pinned on the pre-loaded `sessions`, admit_unpinned on `new_sessions`)."""
-    client = connect(redis_url, timeout_seconds=30, max_connections=4)
-    state = RoutingState(client, parse_config(config_data))
+def trace_phase(gateway: LocalGateway, client: redis.Redis, args, work: Path, phase: str, pins: int) -> dict:
+    """`--trace-requests` requests of the phase's kind with the slow log at 0 us, which logs every
+    command with its client (a script's own commands carry the address `?:0`): the client round
+    trips per request, by kind, and the scripts called per request, by name. A round trip is a
+    command a client sent, except that a MULTI ... EXEC transaction (the instance heartbeat) is
+    one: Redis logs MULTI, then the queued commands together when EXEC runs them, never EXEC
+    itself, so the commands of MULTI's client logged right after it (before any other client's,
+    a script call or another MULTI) are its queued ones. The ext_proc server pipelines nothing
+    else (its degraded-flag refresh is one MGET)."""
+    config = client.config_get("slowlog-*")
+    client.config_set("slowlog-max-len", 1_000_000)
+    client.config_set("slowlog-log-slower-than", 0)
+    client.slowlog_reset()
+    began = time.monotonic()
     try:
-        for sid in sessions:
-            await state.get_pin(MODEL, sid)
-            admission = await state.try_admit_pinned_session_request(MODEL, sid)
-            await state.release_request_lease(admission.lease, refresh_pin=True)
-        for sid in new_sessions:
-            await state.get_pin(MODEL, sid)
-            admission = await state.try_admit_unpinned_session_request("iris-1", MODEL, sid)
-            await state.release_request_lease(admission.lease, refresh_pin=True)
+        load = run_loadgen(gateway.url, work / f"trace-{pins}-{phase}.json", "--rate", str(args.rate),
+                           "--requests", str(args.trace_requests), "--model", MODEL,
+                           *phase_users(phase, pins, prefix="trace-", offset=args.requests),
+                           max_seconds=args.trace_requests / args.rate + 5)
+        time.sleep(0.2)  # the last releases
     finally:
-        await client.aclose()
+        client.config_set("slowlog-log-slower-than", config["slowlog-log-slower-than"])
+    seconds = time.monotonic() - began
+    entries = client.slowlog_get(client.slowlog_len())
+    client.slowlog_reset()
+    client.config_set("slowlog-max-len", config["slowlog-max-len"])
+    by_sha = script_names_by_sha()
+    trips: Counter[str] = Counter()
+    transaction: bytes | None = None  # the client whose MULTI block is being logged
+    for entry in reversed(entries):  # oldest first
+        address = entry["client_address"]
+        words = entry["command"].split()
+        name = words[0].decode().lower()
+        if address == transaction and name not in ("multi", "evalsha", "eval"):
+            continue  # queued in the transaction: run by its EXEC, the same round trip
+        transaction = None
+        if address == b"?:0" or name in ADMIN_COMMANDS:
+            continue  # a script's own command, or this benchmark's
+        if name == "multi":
+            transaction = address
+            trips["multi/exec"] += 1
+        elif name == "evalsha" and len(words) > 1:
+            trips[by_sha.get(words[1].decode(), "other script")] += 1
+        else:
+            trips[name] += 1
+    requests = load["ok"] or 1
+    scripts = {k: v / requests for k, v in sorted(trips.items()) if k in SCRIPT_NAMES or k == "other script"}
+    background = sum(v for k, v in trips.items() if k not in scripts)
+    return {"requests": load["ok"], "seconds": seconds, "background_round_trips_per_second": background / seconds,
+            "round_trips_per_request": sum(trips.values()) / requests,
+            "round_trips_by_kind": {k: v / requests for k, v in sorted(trips.items())},
+            "scripts_per_request": scripts}
 
 
 async def _time_scripts(
     redis_url: str, config_data: dict, sessions: list[str], fresh: list[str], client: redis.Redis
 ) -> dict:
-    """Each script kind `len(sessions)` times in a row, one call at a time: server time per call
-    (us, INFO commandstats of EVALSHA, reset before each kind) and the client's round trip (us)."""
+    """Every routing-state script `len(sessions)` times in a row, one call at a time: server time
+    per call (us, INFO commandstats of EVALSHA, reset before each) and the client's round trip
+    (us). The fused get_pin_and_admit runs in both branches: on the pre-loaded pins (`sessions`)
+    and pinning `fresh` sessions; `release` releases the first, `release_new_pin` the second.
+    Leases the timed calls leave are released (untimed), so the state grows only by the pins of
+    `fresh` and of as many more new sessions."""
     aclient = connect(redis_url, timeout_seconds=30, max_connections=4)
     state = RoutingState(aclient, parse_config(config_data))
     out: dict[str, dict] = {}
-    held: dict[str, list] = {"admit_pinned": [], "admit_unpinned": []}
+    eligible = ["iris-1", "iris-2", "tensorx"]
 
-    async def timed(name: str, calls) -> None:
+    async def timed(name: str, calls) -> list:
         client.config_resetstat()
-        rtts = []
+        rtts, results = [], []
         for call in calls:
             began = time.perf_counter()
-            result = await call()
+            results.append(await call())
             rtts.append((time.perf_counter() - began) * 1e6)
-            if name in held:
-                held[name].append(result.lease)
         stat = client.info("commandstats").get("cmdstat_evalsha", {})
         rtts.sort()
         out[name] = {"calls": len(rtts), "server_us_per_call": float(stat.get("usec_per_call", "nan")),
                      "rtt_p50_us": percentile(rtts, 50), "rtt_p99_us": percentile(rtts, 99)}
+        return results
+
+    async def release(leases: list[Lease], name: str | None = None) -> None:
+        calls = [lambda lease=lease: state.release_request_lease(lease, refresh_pin=lease.pin_id is not None)
+                 for lease in leases]
+        if name:
+            await timed(name, calls)
+        else:
+            for call in calls:
+                await call()
 
     try:
         await state.load_scripts()
         await timed("get_pin", [lambda sid=sid: state.get_pin(MODEL, sid) for sid in sessions])
-        await timed("admit_pinned", [lambda sid=sid: state.try_admit_pinned_session_request(MODEL, sid)
-                                     for sid in sessions])
-        await timed("release", [lambda lease=lease: state.release_request_lease(lease, refresh_pin=True)
-                                for lease in held["admit_pinned"]])
-        await timed("admit_unpinned", [lambda sid=sid: state.try_admit_unpinned_session_request("iris-1", MODEL, sid)
-                                       for sid in fresh])
-        await timed("release_new_pin", [lambda lease=lease: state.release_request_lease(lease, refresh_pin=True)
-                                        for lease in held["admit_unpinned"]])
+        fused = await timed("get_pin_and_admit/pinned", [
+            lambda sid=sid: state.get_pin_and_try_admit(MODEL, sid, eligible) for sid in sessions])
+        leases = [admission.lease for _, admission in fused]
+        await timed("renew", [lambda lease=lease: state.renew_request_lease(lease) for lease in leases])
+        await release(leases, "release")
+        admissions = await timed("admit_pinned", [lambda sid=sid: state.try_admit_pinned_session_request(MODEL, sid)
+                                                  for sid in sessions])
+        await release([a.lease for a in admissions])
+        fused = await timed("get_pin_and_admit/new_pin", [
+            lambda sid=sid: state.get_pin_and_try_admit(MODEL, sid, eligible) for sid in fresh])
+        await release([admission.lease for _, admission in fused], "release_new_pin")
+        pins = [admission.pin for _, admission in fused]
+        repins = await timed("cas_repin", [
+            lambda sid=sid, pin=pin: state.try_compare_and_swap_pin_and_admit_request(pin, MODEL, sid, "iris-2")
+            for sid, pin in zip(fresh, pins)])
+        await release([r.admission.lease for r in repins])
+        admissions = await timed("admit_unpinned", [
+            lambda sid=sid: state.try_admit_unpinned_session_request("iris-1", MODEL, sid + "-u") for sid in fresh])
+        await release([a.lease for a in admissions])
+        admissions = await timed("admit_without_pin", [
+            lambda: state.try_admit_request_without_pin("iris-1", MODEL) for _ in sessions])
+        await release([a.lease for a in admissions])
+        adopted = [Lease(MODEL, "iris-1", new_id(), None, None, 0) for _ in sessions]
+        await timed("adopt", [lambda lease=lease: state.adopt_request_lease(lease) for lease in adopted])
+        await release(adopted)
     finally:
         await aclient.aclose()
     return out
@@ -221,7 +287,6 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     sims = {name: ZERO_DELAY for name in ("iris-1", "iris-2", "tensorx")}
     runs = []
     alone: dict[int, dict] = {}
-    inner: set[str] | None = None
     with LocalGateway(config_data=config_data, simulations=sims, work_dir=work / "gateway") as gateway:
         client = redis.Redis.from_url(gateway.redis_url)
         prefix_chars = gateway.config.session.completions_prefix_chars
@@ -235,10 +300,9 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             # warm-up: connections and code paths, from the pre-loaded users
             run_loadgen(gateway.url, work / "warmup.json", "--rate", "100", "--requests", str(args.warmup_requests),
                         "--users", str(pins), "--model", MODEL, max_seconds=10)
-            if inner is None:
-                inner = inner_command_names(client, gateway.redis_url, config_data, sessions)
             for phase in PHASES:  # pinned first: the new phase and the script timing add pins
-                run = measure_phase(gateway, client, args, work, phase, pins, inner)
+                run = measure_phase(gateway, client, args, work, phase, pins)
+                run["trace"] = trace_phase(gateway, client, args, work, phase, pins)
                 run["preloaded"] = loaded
                 run["preload_seconds"] = seconds
                 runs.append(run)
@@ -251,12 +315,15 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
 
 def figures(result: dict[str, Any]) -> dict[str, float]:
-    """Headline figures per size and phase: round trips, script calls and CPU per request."""
+    """Headline figures per size and phase: round trips, script calls (in all and by script) and
+    CPU per request; per size and script, its server time alone."""
     out: dict[str, float] = {}
     for run in result["runs"]:
         key = f"{run['phase']}@{run['pins']}"
-        out[f"round_trips_per_request@{key}"] = run["round_trips_per_request"]
+        out[f"round_trips_per_request@{key}"] = run["trace"]["round_trips_per_request"]
         out[f"script_calls_per_request@{key}"] = run["script_calls_per_request"]
+        for script, calls in run["trace"]["scripts_per_request"].items():
+            out[f"script_calls_per_request@{key}:{script}"] = calls
         out[f"redis_commands_per_request@{key}"] = run["redis_commands_per_request"]
         out[f"evalsha_usec_per_call@{key}"] = run["evalsha_usec_per_call"]
         cpu = run["cpu_ms_per_request"]["extproc"]
@@ -273,19 +340,21 @@ def report(result: dict[str, Any]) -> None:
     for run in result["runs"]:
         cpu = run["cpu_ms_per_request"]
         rows.append([run["pins"], run["phase"], run["live_after"]["pins"], run["requests"],
-                     run["round_trips_per_request"],
+                     run["trace"]["round_trips_per_request"],
                      run["script_calls_per_request"], run["redis_commands_per_request"], run["evalsha_usec_per_call"],
                      cpu["extproc"], 1000 / cpu["extproc"] if cpu["extproc"] > 0 else float("nan"),
                      cpu["envoy"], cpu["redis"], cpu["upstream"]])
     print_table("Cost per request (CPU in ms per request)",
-                ["pins pre-loaded", "phase", "live pins after", "requests", "round trips/req", "script calls/req",
+                ["pins pre-loaded", "phase", "live pins after", "requests", "round trips/req (traced)", "script calls/req",
                  "redis cmds/req",
                  "evalsha us/call", "ext_proc CPU", "req/s per ext_proc core", "Envoy CPU", "Redis CPU",
                  "upstream CPU"], rows)
-    rows = [[run["pins"], run["phase"], ", ".join(f"{k} {v / max(run['requests'], 1):.2f}"
-                                                  for k, v in sorted(run["client_commands"].items()))]
+    rows = [[run["pins"], run["phase"], run["trace"]["requests"], run["trace"]["round_trips_per_request"],
+             ", ".join(f"{k} {v:.3f}" for k, v in run["trace"]["round_trips_by_kind"].items()),
+             run["trace"]["background_round_trips_per_second"]]
             for run in result["runs"]]
-    print_table("Client round trips per request, by command", ["pins", "phase", "commands"], rows)
+    print_table("Client round trips per request, by script or command (slow-log trace of the phase's requests)",
+                ["pins", "phase", "traced requests", "round trips/req", "by kind", "non-script round trips/s"], rows)
     rows = [[pins, script, s["calls"], s["server_us_per_call"], s["rtt_p50_us"], s["rtt_p99_us"]]
             for pins, scripts in result["scripts_alone"].items() for script, s in scripts.items()]
     print_table("Script server time, scripts alone, one call at a time (us)",
@@ -304,13 +373,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup-requests", type=int, default=200)
     parser.add_argument("--script-calls", type=int, default=2000,
                         help="requests' worth of script calls timed with no other load, per kind")
+    parser.add_argument("--trace-requests", type=int, default=400,
+                        help="requests per phase traced in the slow log (round trips by script and command)")
     parser.add_argument("--tiny", action="store_true", help="a few seconds in all (for the smoke test)")
     parser.add_argument("--json", type=Path, help="write the full result here")
     args = parser.parse_args(argv)
     args.pins = [int(p) for p in args.pins.split(",") if p]
     if args.tiny:
         args.pins, args.leases, args.rate, args.requests, args.warmup_requests = [50, 500], 100, 50.0, 50, 10
-        args.script_calls = 50
+        args.script_calls, args.trace_requests = 50, 20
     return args
 
 
@@ -321,7 +392,7 @@ def main(argv: list[str] | None = None) -> None:
         result = measure(args, Path(tmp))
     result["load_average_before"] = load_before
     print(f"machine: {result['machine']}; 1-min load average before {load_before}, after "
-          f"{result['machine']['load_average_1min']} (other work shares these cores)")
+          f"{result['machine']['load_average_1min']}")
     result["figures"] = figures(result)
     report(result)
     write_json(args.json, result)

@@ -9,10 +9,10 @@ open loop at each fixed rate, then closed loop at saturation.
 
 Prints, per rate, latency p50/p90/p99 (ms) of both paths and the added latency (gateway minus
 plain, per percentile), then the saturation throughput (requests/s) of both, their ratio, and the
-ext_proc CPU per request at saturation (ms) with the requests/s one ext_proc core sustains. The
-ext_proc server's own decision histogram (`iris_decision_seconds`: parsed body to decision, its
-Redis round trips included) gives the mean decision time per rate, the part of the added latency
-that the routing itself (rather than the ext_proc messages) costs.
+ext_proc CPU per request (ms) at each rate and at saturation, with the requests/s one ext_proc core
+sustains at saturation. The ext_proc server's own decision histogram (`iris_decision_seconds`:
+parsed body to decision, its Redis round trip included) gives the mean decision time per rate, the
+part of the added latency that the routing itself (rather than the ext_proc messages) costs.
 
     python -m bench.overhead --rates 50,200,500 --seconds 20 --json out/overhead.json --plot-dir docs
 """
@@ -63,20 +63,22 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 run_loadgen(urls[path], work / f"warmup-{path}.json", "--rate", "100",
                             "--requests", str(args.warmup_requests), *common, max_seconds=args.seconds)
             rates = []
+            extproc_pid = gateway.running[0].extproc.pid
             for rate in args.rates:
                 entry: dict[str, Any] = {"rate": rate}
                 for path in PATHS:
                     decided_before = decision_totals(metrics_url)
+                    cpu_before = cpu_seconds(extproc_pid)
                     entry[path] = run_loadgen(
                         urls[path], work / f"rate-{rate:g}-{path}.json", "--rate", str(rate),
                         "--requests", str(int(rate * args.seconds)), *common, max_seconds=args.seconds,
                     )
                     if path == "gateway":
+                        entry[path]["extproc_cpu_s"] = cpu_seconds(extproc_pid) - cpu_before
                         seconds, count = (a - b for a, b in zip(decision_totals(metrics_url), decided_before))
                         entry["decision_mean_ms"] = seconds * 1000 / count if count else float("nan")
                 rates.append(entry)
             saturation: dict[str, Any] = {}
-            extproc_pid = gateway.running[0].extproc.pid
             for path in PATHS:
                 cpu_before = cpu_seconds(extproc_pid)
                 saturation[path] = run_loadgen(
@@ -100,15 +102,21 @@ def figures(result: dict[str, Any]) -> dict[str, float]:
         for p in ("p50", "p90", "p99"):
             out[f"added_{p}_ms@{rate}"] = entry["gateway"][f"{p}_ms"] - entry["plain"][f"{p}_ms"]
         out[f"decision_mean_ms@{rate}"] = entry["decision_mean_ms"]
+        out[f"extproc_cpu_ms_per_request@{rate}"] = _cpu_ms_per_request(entry["gateway"])
     sat = result["saturation"]
     out["saturation_plain_rps"] = sat["plain"]["achieved_rps"]
     out["saturation_gateway_rps"] = sat["gateway"]["achieved_rps"]
     out["throughput_ratio"] = sat["gateway"]["achieved_rps"] / sat["plain"]["achieved_rps"]
-    gateway_ok = sat["gateway"]["ok"]
-    cpu_ms = sat["gateway"]["extproc_cpu_s"] * 1000 / gateway_ok if gateway_ok else float("nan")
+    cpu_ms = _cpu_ms_per_request(sat["gateway"])
     out["extproc_cpu_ms_per_request"] = cpu_ms
     out["requests_per_extproc_core_s"] = 1000 / cpu_ms if cpu_ms else float("nan")
     return out
+
+
+def _cpu_ms_per_request(load: dict[str, Any]) -> float:
+    """ext_proc CPU (ms) per OK request of a gateway load; NaN if not measured."""
+    seconds = load.get("extproc_cpu_s")
+    return seconds * 1000 / load["ok"] if seconds is not None and load["ok"] else float("nan")
 
 
 def report(result: dict[str, Any]) -> None:
@@ -121,6 +129,8 @@ def report(result: dict[str, Any]) -> None:
         rows.append([f"{entry['rate']:g}", "added"] + [""] + [
             entry["gateway"][f"{p}_ms"] - entry["plain"][f"{p}_ms"] for p in ("p50", "p90", "p99")] + ["", ""])
         rows.append([f"{entry['rate']:g}", "of which routing decision (mean)", "", entry["decision_mean_ms"],
+                     "", "", "", ""])
+        rows.append([f"{entry['rate']:g}", "ext_proc CPU ms/request", "", _cpu_ms_per_request(entry["gateway"]),
                      "", "", "", ""])
     print_table("Latency at fixed rates (ms)",
                 ["rate req/s", "path", "achieved req/s", "p50", "p90", "p99", "errors", "send lag p99"], rows)
@@ -139,7 +149,7 @@ def plot(result: dict[str, Any], plot_dir: Path) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import NullFormatter, ScalarFormatter
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     entries = result["rates"]
     fig, axes = plt.subplots(1, len(entries), figsize=(4.2 * len(entries), 3.6), squeeze=False, sharey=True)
@@ -149,7 +159,8 @@ def plot(result: dict[str, Any], plot_dir: Path) -> Path:
             if values:
                 ax.plot(values, [(i + 1) / len(values) for i in range(len(values))], style, label=path)
         ax.set_xscale("log")
-        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))  # labels within one decade too
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
         ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_title(f"{entry['rate']:g} req/s")
         ax.set_xlabel("latency (ms, log)")
@@ -198,7 +209,7 @@ def main(argv: list[str] | None = None) -> None:
         result["figures"] = figures(result)
         write_json(args.json, result)
     print(f"machine: {result['machine']}; 1-min load average before {result.get('load_average_before')}, after "
-          f"{result['machine']['load_average_1min']} (other work shares these cores)")
+          f"{result['machine']['load_average_1min']}")
     report(result)
     if args.plot_dir:
         print(f"plot: {plot(result, args.plot_dir)}")

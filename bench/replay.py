@@ -550,7 +550,7 @@ def main(argv: list[str] | None = None) -> None:
         result = measure(args)
         write_json(args.json, result)
     print(f"machine: {result['machine']}; 1-min load average before {result.get('load_average_before')}, after "
-          f"{result['machine']['load_average_1min']} (other work shares these cores)")
+          f"{result['machine']['load_average_1min']}")
     report(result)
     if args.plot_dir:
         for path in plot(result, args.plot_dir):

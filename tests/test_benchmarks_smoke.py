@@ -60,6 +60,7 @@ def test_overhead_prints_every_figure(tmp_path):
     figures, result = run_bench("overhead", tmp_path)
     names = [f"added_{p}_ms@{rate}" for rate in ("20", "50") for p in ("p50", "p90", "p99", "")]
     names = [name.replace("added__ms", "decision_mean_ms") for name in names]
+    names += [f"extproc_cpu_ms_per_request@{rate}" for rate in ("20", "50")]
     names += ["saturation_plain_rps", "saturation_gateway_rps", "throughput_ratio",
               "extproc_cpu_ms_per_request", "requests_per_extproc_core_s"]
     assert_numbers(figures, names)
@@ -79,13 +80,18 @@ def test_cost_prints_every_figure(tmp_path):
             names += [f"round_trips_per_request@{key}", f"script_calls_per_request@{key}",
                       f"redis_commands_per_request@{key}", f"evalsha_usec_per_call@{key}",
                       f"extproc_cpu_ms_per_request@{key}", f"requests_per_extproc_core_s@{key}"]
+            # the hot path: the fused get_pin + admission, then the release
+            names += [f"script_calls_per_request@{key}:{script}" for script in ("get_pin_and_admit", "release")]
         names += [f"script_server_us_per_call@{pins}:{script}"
-                  for script in ("get_pin", "admit_pinned", "release", "admit_unpinned", "release_new_pin")]
+                  for script in ("get_pin", "get_pin_and_admit/pinned", "renew", "release", "admit_pinned",
+                                 "get_pin_and_admit/new_pin", "release_new_pin", "cas_repin", "admit_unpinned",
+                                 "admit_without_pin", "adopt")]
     assert_numbers(figures, names)
     for run in result["runs"]:
         assert run["preloaded"]["pins"] >= run["pins"]
         assert run["preloaded"]["leases"] == 100
         assert run["script_calls_per_request"] >= 2  # at least an admission and a release
+        assert run["trace"]["scripts_per_request"]["get_pin_and_admit"] == 1  # one admission per request
 
 
 def test_replay_prints_every_figure(tmp_path):
@@ -110,7 +116,8 @@ def test_replay_prints_every_figure(tmp_path):
                     reason="py-spy (the bench extra) is not installed")
 def test_profile_prints_areas(tmp_path):
     figures, result = run_bench("profile", tmp_path)
-    assert "profile_samples" in figures
+    assert_numbers(figures, ["profile_samples", "extproc_cpu_ms_per_request", "requests_per_extproc_core_s"])
+    assert result["thread_cpu_ms_per_request"]
     assert result["self"] and result["areas"]
 
 
