@@ -21,7 +21,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from extproc import envoy_config
-from extproc.local_gateway import ProviderSimulation
+from extproc.local_gateway import ProviderSimulation, simulator_argv
 from extproc.processes import ManagedProcess, envoy_binary, free_port, spawn, wait_for_port
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -228,13 +228,7 @@ def command_delta(before: dict, after: dict, ignore: Sequence[str] = ("info", "s
 def start_simulator(name: str, sim: ProviderSimulation, work_dir: Path) -> ManagedProcess:
     """A simulated provider on a free 127.0.0.1 port (the same command LocalGateway runs)."""
     port = free_port()
-    argv = [
-        sys.executable, "-m", "extproc.simulator", "--name", name, "--port", str(port),
-        "--ttft-ms", str(sim.ttft_ms), "--per-token-ms", str(sim.per_token_ms),
-        "--prefill-ms-per-token", str(sim.prefill_ms_per_token),
-        "--block-tokens", str(sim.block_tokens), "--cache-blocks", str(sim.cache_blocks),
-    ]
-    process = spawn(f"provider-{name}", argv, work_dir)
+    process = spawn(f"provider-{name}", simulator_argv(name, port, sim), work_dir)
     process.port = port
     wait_for_port(port, process=process.popen)
     return process

@@ -48,6 +48,17 @@ class ProviderSimulation:
     tls_key: Path | None = None
 
 
+def simulator_argv(name: str, port: int, sim: ProviderSimulation) -> list[str]:
+    """The command that runs simulated provider `name` on 127.0.0.1:`port` with `sim`'s timing
+    and cache (credentials, served models and TLS are added by the caller)."""
+    return [
+        sys.executable, "-m", "extproc.simulator", "--name", name, "--port", str(port),
+        "--ttft-ms", str(sim.ttft_ms), "--per-token-ms", str(sim.per_token_ms),
+        "--prefill-ms-per-token", str(sim.prefill_ms_per_token),
+        "--block-tokens", str(sim.block_tokens), "--cache-blocks", str(sim.cache_blocks),
+    ]
+
+
 @dataclass
 class Instance:
     """One proxy replica: an Envoy and its ext_proc server."""
@@ -148,12 +159,7 @@ class LocalGateway:
     def _start_simulator(self, name: str) -> ManagedProcess:
         sim = self.simulations.get(name, self.default_simulation)
         port = free_port()
-        argv = [
-            sys.executable, "-m", "extproc.simulator", "--name", name, "--port", str(port),
-            "--ttft-ms", str(sim.ttft_ms), "--per-token-ms", str(sim.per_token_ms),
-            "--prefill-ms-per-token", str(sim.prefill_ms_per_token),
-            "--block-tokens", str(sim.block_tokens), "--cache-blocks", str(sim.cache_blocks),
-        ]
+        argv = simulator_argv(name, port, sim)
         provider = self.config.provider(name)
         served = sim.served_models
         if served is None:
