@@ -3,6 +3,7 @@ FROM python:3.11-slim
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY extproc ./extproc
+COPY irislab ./irislab
 COPY lua ./lua
 COPY envoy ./envoy
 RUN pip install --no-cache-dir .

@@ -20,9 +20,9 @@ from pathlib import Path
 
 from extproc.config import parse_config
 from extproc.degraded import DegradedFlags
-from extproc.processes import start_redis
 from extproc.routing import Decision, Router, RoutingRequest
 from extproc.state import RoutingState, connect
+from irislab.processes import start_redis
 
 MODEL = "m"
 PRELOAD_BATCH = 2_000

@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from extproc import envoy_config
-from extproc.local_gateway import ProviderSimulation, simulator_argv
-from extproc.processes import ManagedProcess, envoy_binary, free_port, spawn, wait_for_port
+from irislab import envoy_config
+from irislab.local_gateway import ProviderSimulation, simulator_argv
+from irislab.processes import ManagedProcess, envoy_binary, free_port, spawn, wait_for_port
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 LOCAL_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})

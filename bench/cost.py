@@ -61,9 +61,9 @@ from bench.common import (
 )
 from bench.loadgen import request_body, user_name
 from extproc.config import parse_config
-from extproc.local_gateway import LocalGateway
 from extproc.openai_request import parse_request, session_id
 from extproc.state import SCRIPT_NAMES, Lease, RoutingState, connect, new_id, script_source
+from irislab.local_gateway import LocalGateway
 
 HOURS = 10 * 3600
 PRELOAD_BATCH = 512

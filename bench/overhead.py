@@ -40,8 +40,8 @@ from bench.common import (
     start_envoy,
     write_json,
 )
-from extproc.local_gateway import LocalGateway
-from extproc.processes import free_port
+from irislab.local_gateway import LocalGateway
+from irislab.processes import free_port
 
 PATHS = ("plain", "gateway")
 

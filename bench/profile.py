@@ -39,7 +39,7 @@ from bench.common import (
     stat_cpu_seconds,
     write_json,
 )
-from extproc.local_gateway import LocalGateway
+from irislab.local_gateway import LocalGateway
 
 # First matching rule names the area of a sample's leaf frame (`function (path:line)`). py-spy
 # sees Python frames only: time in C code is charged to the Python frame that called it, so the

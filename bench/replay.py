@@ -66,9 +66,9 @@ from bench.common import (
     wait_http_ready,
     write_json,
 )
-from extproc.local_gateway import LocalGateway, ProviderSimulation
-from extproc.processes import free_port
 from extproc.state import Keyspace
+from irislab.local_gateway import LocalGateway, ProviderSimulation
+from irislab.processes import free_port
 
 OWN = ("iris-1", "iris-2")
 THIRD_PARTY = "tensorx"

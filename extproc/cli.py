@@ -92,14 +92,14 @@ def run_event_loop(main, event_loop: str) -> None:
 def _up(args) -> int:
     import yaml
 
-    from extproc.local_gateway import LocalGateway, ProviderSimulation
+    from irislab.local_gateway import LocalGateway, ProviderSimulation
 
     data = yaml.safe_load(open(args.config)) if args.config else None
     simulation = ProviderSimulation(ttft_ms=30, per_token_ms=10, block_tokens=16)
     with LocalGateway(config_data=data, default_simulation=simulation) as gateway:
         print(f"gateway up: {gateway.url}/v1  (Redis {gateway.redis_url}, logs in {gateway.work_dir})", flush=True)
         if args.demo:
-            from extproc.demo import run_demo
+            from irislab.demo import run_demo
 
             run_demo(gateway.url, str(gateway.running[0].config_path))
             if args.exit_after_demo:

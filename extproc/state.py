@@ -14,8 +14,6 @@ import enum
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
-from importlib import resources
-from pathlib import Path
 
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
@@ -23,6 +21,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError
 
 from extproc.config import Config, Provider
+from extproc.resources import lua_folder
 
 NO_LIMIT = -1
 
@@ -180,15 +179,10 @@ SCRIPT_NAMES = (
 
 def script_source(name: str) -> str:
     """The full source of script `name`: lua/lib.lua followed by lua/<name>.lua."""
-    folder = _lua_folder()
+    folder = lua_folder()
     return folder.joinpath("lib.lua").read_text() + "\n" + folder.joinpath(f"{name}.lua").read_text()
 
 
-def _lua_folder():
-    packaged = resources.files("extproc").joinpath("lua")
-    if packaged.is_dir():
-        return packaged
-    return Path(__file__).resolve().parent.parent / "lua"  # a source checkout or editable install
 
 
 def new_id() -> str:

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from extproc.config import parse_config
-from extproc.processes import start_redis
 from extproc.state import RoutingState, connect
+from irislab.processes import start_redis
 
 ROOT = Path(__file__).resolve().parent.parent
 

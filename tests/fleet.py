@@ -1,5 +1,5 @@
 """A multi-instance test harness: N Envoy + ext_proc pairs sharing one Redis and the simulated
-providers (extproc.local_gateway), and a load generator of multi-turn chat sessions.
+providers (irislab.local_gateway), and a load generator of multi-turn chat sessions.
 
 The load generator spreads sessions over the instances at random, mixes streamed and
 non-streamed requests, aborts a share of streams after their first chunk, and records per

@@ -11,7 +11,7 @@ import httpx
 import pytest
 import redis
 
-from extproc.local_gateway import LocalGateway, ProviderSimulation
+from irislab.local_gateway import LocalGateway, ProviderSimulation
 
 MODEL = "llama-3.1-70b"
 

@@ -12,12 +12,12 @@ import orjson
 import pytest
 import yaml
 
-from extproc import envoy_config
 from extproc.adaptation import CredentialError, RequestAdapter
 from extproc.config import parse_config
 from extproc.envoy_messages import route_to_cluster
-from extproc.local_gateway import LocalGateway, ProviderSimulation
-from extproc.processes import envoy_binary
+from irislab import envoy_config
+from irislab.local_gateway import LocalGateway, ProviderSimulation
+from irislab.processes import envoy_binary
 from tests.conftest import ROOT, small_config_data
 from tests.gateway_support import live_leases, post, redis_client, self_signed_certificate
 

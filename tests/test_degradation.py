@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from extproc import cli
-from extproc.local_gateway import LocalGateway, ProviderSimulation
+from irislab.local_gateway import LocalGateway, ProviderSimulation
 from tests.gateway_support import MODEL, chat_body, post, provider_stats, redis_client, wait_until
 
 INTERVAL = 0.2

@@ -8,9 +8,9 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from extproc import envoy_config
 from extproc.config import load_config
-from extproc.processes import envoy_binary
+from irislab import envoy_config
+from irislab.processes import envoy_binary
 from tests.conftest import ROOT
 
 ENVOY = ROOT / "envoy" / "envoy.yaml"

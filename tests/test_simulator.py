@@ -19,7 +19,7 @@ import httpx
 import orjson
 import pytest
 
-from extproc.simulator import SimulatorConfig, start_simulator
+from irislab.simulator import SimulatorConfig, start_simulator
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODEL = "sim-model"
@@ -427,7 +427,7 @@ def test_cli_serves_and_exits_on_sigterm() -> None:
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "SIM_TEST_KEY": "k-123"}
     command = [
-        sys.executable, "-m", "extproc.simulator", "--name", "cli-sim", "--port", str(port),
+        sys.executable, "-m", "irislab.simulator", "--name", "cli-sim", "--port", str(port),
         "--api-key-env", "SIM_TEST_KEY", "--model", MODEL,
     ]  # fmt: skip
     process = subprocess.Popen(

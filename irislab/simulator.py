@@ -24,7 +24,7 @@ Control and observation endpoints: ``GET /stats``, ``POST /stats/reset``, ``POST
 ``POST /control/clear``, ``GET /health``, ``POST /control/health``, ``GET /metrics`` and
 ``POST /control/load`` (see `build_app`). With ``--tls-cert``/``--tls-key`` it serves HTTPS.
 
-Run it with ``python -m extproc.simulator --name iris-1 --port 8001`` (see `main`).
+Run it with ``python -m irislab.simulator --name iris-1 --port 8001`` (see `main`).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-_log = logging.getLogger("extproc.simulator")
+_log = logging.getLogger("irislab.simulator")
 
 RECENT_REQUESTS = 50
 EMBEDDING_DIM = 8
@@ -934,7 +934,7 @@ async def start_simulator(
 
 def _parse_args(argv: list[str] | None) -> tuple[SimulatorConfig, str, int, ssl.SSLContext | None]:
     parser = argparse.ArgumentParser(
-        prog="python -m extproc.simulator",
+        prog="python -m irislab.simulator",
         description="A simulated OpenAI-compatible inference deployment.",
     )
     parser.add_argument("--name", required=True, help="name reported in x-simulator-name")
@@ -1000,7 +1000,7 @@ async def _serve_until_signalled(
 
 
 def main(argv: list[str] | None = None) -> None:
-    """CLI: ``python -m extproc.simulator --name iris-1 --port 8001 [--host 127.0.0.1]
+    """CLI: ``python -m irislab.simulator --name iris-1 --port 8001 [--host 127.0.0.1]
     [--ttft-ms 50] [--per-token-ms 5] [--prefill-ms-per-token 0.1] [--block-tokens 512]
     [--cache-blocks 4096] [--api-key-env VAR] [--model NAME ...] [--tls-cert PEM --tls-key PEM]``.
     Serves until SIGTERM or SIGINT, then exits 0."""

@@ -19,11 +19,12 @@ from urllib.parse import urlsplit, urlunsplit
 
 import yaml
 
-from extproc import envoy_config
 from extproc.config import Config, Provider, parse_config
-from extproc.processes import ManagedProcess, envoy_binary, free_port, spawn, start_redis, wait_for_port
+from extproc.resources import example_config
+from irislab import envoy_config
+from irislab.processes import ManagedProcess, envoy_binary, free_port, spawn, start_redis, wait_for_port
 
-EXAMPLE_CONFIG = Path(__file__).resolve().parent.parent / "envoy" / "example-config.yaml"
+EXAMPLE_CONFIG = example_config()
 
 
 @dataclass
@@ -52,7 +53,7 @@ def simulator_argv(name: str, port: int, sim: ProviderSimulation) -> list[str]:
     """The command that runs simulated provider `name` on 127.0.0.1:`port` with `sim`'s timing
     and cache (credentials, served models and TLS are added by the caller)."""
     return [
-        sys.executable, "-m", "extproc.simulator", "--name", name, "--port", str(port),
+        sys.executable, "-m", "irislab.simulator", "--name", name, "--port", str(port),
         "--ttft-ms", str(sim.ttft_ms), "--per-token-ms", str(sim.per_token_ms),
         "--prefill-ms-per-token", str(sim.prefill_ms_per_token),
         "--block-tokens", str(sim.block_tokens), "--cache-blocks", str(sim.cache_blocks),

@@ -11,8 +11,10 @@ from typing import Any
 
 import yaml
 
+from extproc.resources import envoy_yaml
+
 DNS_CLUSTER_TYPES = ("STRICT_DNS", "LOGICAL_DNS")
-DEFAULT_ENVOY_YAML = Path(__file__).resolve().parent.parent / "envoy" / "envoy.yaml"
+DEFAULT_ENVOY_YAML = envoy_yaml()
 
 
 def load_envoy_yaml(path: Path = DEFAULT_ENVOY_YAML) -> dict[str, Any]:
