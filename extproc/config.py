@@ -157,14 +157,20 @@ class Provider(_Strict):
 
 
 class RedisSettings(_Strict):
-    """Where the shared routing state lives. Timeouts in seconds."""
+    """Where the shared routing state lives, and what happens while it is gone. Timeouts in
+    seconds. `outage_policy` (README "When Redis is gone"): `degrade` sends new traffic to pairs
+    without an in-flight limit only, `local_share` also lets each instance hold up to its share of
+    a managed pair (every lease it holds there counts), `fail_closed` answers 503. The breaker
+    opens after `breaker_failures_in_a_row` failed Redis calls in a row (a call that found the
+    connection pool busy is load, not a failure, and does not count)."""
 
     url: str = "redis://127.0.0.1:6379/0"
     key_prefix: str = Field(default="iris", pattern=r"^[A-Za-z0-9._:-]+$")
     socket_timeout_seconds: float = Field(default=0.5, gt=0)
     max_connections: int = Field(default=64, gt=0)
     housekeeping_grace_seconds: float = Field(default=60.0, ge=0)
-    outage_policy: Literal["degrade", "fail_closed"] = "degrade"
+    outage_policy: Literal["degrade", "local_share", "fail_closed"] = "degrade"
+    breaker_failures_in_a_row: int = Field(default=3, ge=1)
     probe_interval_seconds: float = Field(default=0.5, gt=0)
     instance_heartbeat_seconds: float = Field(default=1.0, gt=0)
 

@@ -1,8 +1,10 @@
 """The routing algorithm of ../shared/spec/admission-and-pinning.seed.txt, function by function.
 
 Where the spec calls `run(request, provider)`, this module returns a `Decision` instead: the
-caller (the ext_proc server) runs the request on the decision's cluster, keeps the lease renewed
-(`extproc.leases.LeaseHolder`) and releases it when the response ends. The functions keep the
+caller runs the request on the decision's cluster, and the lease table (`extproc.lease_table`)
+keeps the lease renewed and releases it when the response ends. The lease and pin ids every
+admission of one decision uses come from the caller (`Ids`), minted before any call reaches
+Redis, so a decision abandoned mid-call can be undone. The functions keep the
 spec's names and order; only Redis details live in `extproc.state`.
 """
 
@@ -13,7 +15,7 @@ from dataclasses import dataclass
 
 from extproc.config import Config, Provider, ProviderKind
 from extproc.degraded import DegradedFlags
-from extproc.state import Admission, Lease, Pin, PinMatch, Result, RoutingState
+from extproc.state import Admission, Lease, Pin, PinMatch, Result, RoutingState, new_id
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,15 +44,13 @@ class Reason(str, enum.Enum):
 class Decision:
     """Where a request goes. `lease` is None only for a temporary request on a pair without
     limits (the spec: no lease is needed there). `refresh_pin_on_success` tells the release
-    whether a successful response restarts the pin's inactivity deadline. `local`: decided
-    without Redis during an outage (extproc.outage), the lease is held in this process."""
+    whether a successful response restarts the pin's inactivity deadline."""
 
     provider: Provider
     reason: Reason
     lease: Lease | None
     pin: Pin | None
     refresh_pin_on_success: bool
-    local: bool = False
 
 
 class RejectionKind(str, enum.Enum):
@@ -69,6 +69,20 @@ class Rejection:
     kind: RejectionKind
     message: str
     param: str | None = None  # the request field at fault, for an UNSUPPORTED rejection
+
+
+@dataclass(frozen=True, slots=True)
+class Ids:
+    """The ids one decision's admissions record a lease and a new pin under (extproc.state.new_id).
+    One decision holds at most one lease and makes at most one pin, so every attempt uses the
+    same pair of ids: an attempt refused or released leaves nothing under them."""
+
+    lease_id: str
+    pin_id: str
+
+    @classmethod
+    def fresh(cls) -> Ids:
+        return cls(new_id(), new_id())
 
 
 class _Retry:
@@ -92,32 +106,36 @@ class Router:
         self._providers = config.providers_in_priority_order()
         self._by_name = {p.name: p for p in self._providers}
 
-    async def execute_request(self, request: RoutingRequest) -> Outcome:
-        """Decide where `request` goes: the spec's execute_request, with its retry loop."""
+    async def execute_request(self, request: RoutingRequest, ids: Ids | None = None) -> Outcome:
+        """Decide where `request` goes: the spec's execute_request, with its retry loop. `ids`:
+        the lease and pin ids to admit under (fresh ones when None)."""
+        ids = ids or Ids.fresh()
         if not self.config.providers_for(request.model):
             # No provider serves the model at all: every path of the spec ends in this rejection.
             return self.reject_request_as_unsupported_or_unavailable(request)
         if request.session_id is None:
-            return await self.execute_request_without_pinning(request)
+            return await self.execute_request_without_pinning(request, ids)
         for attempt in range(self.config.max_routing_attempts):
             if attempt == 0:  # get_pin fused with the admission the spec tries next: one round trip
                 eligible = [p.name for p in self.eligible(request)]
-                pin, admission = await self.state.get_pin_and_try_admit(request.model, request.session_id, eligible)
+                pin, admission = await self.state.get_pin_and_try_admit(
+                    request.model, request.session_id, eligible, lease_id=ids.lease_id, pin_id=ids.pin_id
+                )
             else:
                 pin, admission = await self.state.get_pin(request.model, request.session_id), None
             if pin is None:
-                outcome = await self.execute_not_yet_pinned_request(request, admission)
+                outcome = await self.execute_not_yet_pinned_request(request, ids, admission)
             else:
-                outcome = await self.execute_pinned_request(request, pin, admission)
+                outcome = await self.execute_pinned_request(request, ids, pin, admission)
             if outcome is not RETRY_ROUTING:
                 return outcome
         return Rejection(RejectionKind.UNAVAILABLE, "routing did not settle: the session's pin kept changing")
 
-    async def execute_request_without_pinning(self, request: RoutingRequest) -> Outcome:
-        return await self.execute_temporary_fallback(request, excluded_provider=None)
+    async def execute_request_without_pinning(self, request: RoutingRequest, ids: Ids) -> Outcome:
+        return await self.execute_temporary_fallback(request, ids, excluded_provider=None)
 
     async def execute_not_yet_pinned_request(
-        self, request: RoutingRequest, first_admission: Admission | None = None
+        self, request: RoutingRequest, ids: Ids, first_admission: Admission | None = None
     ) -> Outcome | _Retry:
         """`first_admission`: the first eligible provider's answer, when already fetched."""
         for index, provider in enumerate(self.eligible(request)):
@@ -125,7 +143,7 @@ class Router:
                 admission = first_admission
             else:
                 admission = await self.state.try_admit_unpinned_session_request(
-                    provider.name, request.model, request.session_id
+                    provider.name, request.model, request.session_id, lease_id=ids.lease_id, pin_id=ids.pin_id
                 )
             if admission.result is Result.ALREADY_PINNED:
                 return RETRY_ROUTING
@@ -134,15 +152,17 @@ class Router:
         return self.reject_request_as_unsupported_or_unavailable(request)
 
     async def execute_pinned_request(
-        self, request: RoutingRequest, pin: Pin, admission: Admission | None = None
+        self, request: RoutingRequest, ids: Ids, pin: Pin, admission: Admission | None = None
     ) -> Outcome | _Retry:
         """`admission`: the pinned admission's answer, when already fetched with the pin."""
         provider = self._by_name.get(pin.provider)
         if provider is None or not self._fits(provider, request):
-            return await self.try_repin_to_other_provider_and_retry_execute(request, pin)
+            return await self.try_repin_to_other_provider_and_retry_execute(request, ids, pin)
 
         if admission is None:
-            admission = await self.state.try_admit_pinned_session_request(request.model, request.session_id)
+            admission = await self.state.try_admit_pinned_session_request(
+                request.model, request.session_id, lease_id=ids.lease_id
+            )
         if admission.result is Result.SESSION_NOT_PINNED:
             return RETRY_ROUTING
         if admission.pin is None or admission.pin.id != pin.id:
@@ -153,19 +173,19 @@ class Router:
             Result.PER_SESSION_IN_FLIGHT_REQUEST_LIMIT_REACHED,
             Result.GLOBAL_IN_FLIGHT_REQUEST_LIMIT_REACHED,
         ):
-            return await self.execute_temporary_fallback(request, excluded_provider=provider)
+            return await self.execute_temporary_fallback(request, ids, excluded_provider=provider)
         if admission.result is not Result.ADMITTED:
             return RETRY_ROUTING
         return self.execute_on_pinned_provider(admission, Reason.PINNED)
 
     async def try_repin_to_other_provider_and_retry_execute(
-        self, request: RoutingRequest, current_pin: Pin
+        self, request: RoutingRequest, ids: Ids, current_pin: Pin
     ) -> Outcome | _Retry:
         for provider in self.eligible(request):
             if provider.name == current_pin.provider:
                 continue
             cas = await self.state.try_compare_and_swap_pin_and_admit_request(
-                current_pin, request.model, request.session_id, provider.name
+                current_pin, request.model, request.session_id, provider.name, lease_id=ids.lease_id, pin_id=ids.pin_id
             )
             if cas.pin_match is not PinMatch.MATCHED:
                 return RETRY_ROUTING
@@ -177,14 +197,14 @@ class Router:
         return self.reject_request_as_unsupported_or_unavailable(request)
 
     async def execute_temporary_fallback(
-        self, request: RoutingRequest, excluded_provider: Provider | None
+        self, request: RoutingRequest, ids: Ids, excluded_provider: Provider | None
     ) -> Outcome:
         reason = Reason.UNPINNED if excluded_provider is None else Reason.OFFLOADED
         for provider in self.eligible(request):
             if provider is excluded_provider:
                 continue
             if self.provider_has_configured_limits(provider, request.model):
-                admission = await self.state.try_admit_request_without_pin(provider.name, request.model)
+                admission = await self.state.try_admit_request_without_pin(provider.name, request.model, lease_id=ids.lease_id)
                 if admission.result is not Result.ADMITTED:
                     continue
                 return Decision(provider, reason, admission.lease, None, refresh_pin_on_success=False)

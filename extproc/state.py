@@ -10,6 +10,7 @@ one request touches in one slot.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import uuid
 from collections.abc import Mapping
@@ -151,17 +152,26 @@ def connect(url: str, timeout_seconds: float = 0.5, max_connections: int = 64) -
     `timeout_seconds` too, so a dead Redis costs a request at most that long per round trip.
 
     A command that meets a broken connection (a pooled connection to a Redis that restarted) is
-    retried once on a new one: every script is idempotent (admissions replay by lease id)."""
+    retried once on a new one: every script is idempotent (admissions replay by lease id). A
+    timeout is not retried (redis-py's default would retry it once, so one slow reply cost twice
+    the timeout). A pool with no free connection within the timeout raises
+    redis.exceptions.ConnectionError "No connection available." (see `is_pool_exhausted`)."""
     pool = BlockingConnectionPool.from_url(
         url,
         max_connections=max_connections,
         timeout=timeout_seconds,
         socket_timeout=timeout_seconds,
         socket_connect_timeout=timeout_seconds,
-        retry=Retry(NoBackoff(), retries=1),
+        retry=Retry(NoBackoff(), retries=1, supported_errors=(ConnectionError,)),
         retry_on_error=[ConnectionError],
     )
     return Redis(connection_pool=pool)
+
+
+def is_pool_exhausted(error: BaseException) -> bool:
+    """Whether `error` is the connection pool's "no free connection within the timeout": load on
+    this process, not a sign that Redis is gone (redis-py raises ConnectionError for both)."""
+    return isinstance(error, ConnectionError) and isinstance(error.__cause__, (TimeoutError, asyncio.TimeoutError))
 
 
 SCRIPT_NAMES = (
@@ -174,6 +184,7 @@ SCRIPT_NAMES = (
     "renew",
     "release",
     "adopt",
+    "abandon",
 )
 
 
@@ -181,8 +192,6 @@ def script_source(name: str) -> str:
     """The full source of script `name`: lua/lib.lua followed by lua/<name>.lua."""
     folder = lua_folder()
     return folder.joinpath("lib.lua").read_text() + "\n" + folder.joinpath(f"{name}.lua").read_text()
-
-
 
 
 def new_id() -> str:
@@ -240,34 +249,46 @@ class RoutingState:
         eligible: list[str],
         *,
         lease_id: str | None = None,
+        pin_id: str | None = None,
         now_ms: int | None = None,
     ) -> tuple[Pin | None, Admission | None]:
         """The spec's first routing attempt in one round trip: get_pin, then the admission the
         spec would try next: on the pin if its provider is in `eligible` (provider names in
         priority order), else nothing; without a pin, a new pin on eligible[0]. Returns (the pin
-        seen, the admission or None when none was attempted)."""
-        args = [lease_id or new_id(), new_id(), *eligible]
+        seen, the admission or None when none was attempted).
+
+        `lease_id` / `pin_id` (every admission takes both): the ids to record the lease and a
+        new pin under, minted by the caller before the call (extproc.lease_table), so a call
+        whose answer never comes back can still be abandoned; fresh ones when None."""
+        args = [lease_id or new_id(), pin_id or new_id(), *eligible]
         reply = await self._call("get_pin_and_admit", model, session_id, args, now_ms)
         pinned_branch = _text(reply[8]) == "pinned"
         admission = _decode(model, session_id, reply[:8], None if pinned_branch else (eligible or [None])[0])
         pin = None
         if pinned_branch:  # the pin as get_pin saw it, before the admission extended its expiry
-            pin = Pin(admission.pin.provider, admission.pin.id, int(reply[9]), int(reply[10]))
+            pin = Pin(_text(reply[11]), _text(reply[12]), int(reply[9]), int(reply[10]))
         if admission.result in (Result.PINNED, Result.NOT_PINNED):
             return pin, None
         return pin, admission
 
     async def try_admit_unpinned_session_request(
-        self, provider: str, model: str, session_id: str, *, lease_id: str | None = None, now_ms: int | None = None
+        self,
+        provider: str,
+        model: str,
+        session_id: str,
+        *,
+        lease_id: str | None = None,
+        pin_id: str | None = None,
+        now_ms: int | None = None,
     ) -> Admission:
         """Pin the session to `provider` and admit, or answer ALREADY_PINNED (another request
         pinned it first) or a capacity result. New pins may not use reserved slots (the spec)."""
-        args = [provider, lease_id or new_id(), new_id()]
+        args = [provider, lease_id or new_id(), pin_id or new_id()]
         reply = await self._call("admit_unpinned", model, session_id, args, now_ms)
         return _decode(model, session_id, reply, provider)
 
     async def try_admit_pinned_session_request(
-        self, model: str, session_id: str, *, lease_id: str | None = None, now_ms: int | None = None
+        self, model: str, session_id: str, *, lease_id: str | None = None, pin_id: str | None = None, now_ms: int | None = None
     ) -> Admission:
         """Admit on the session's current pin (reserved slots allowed), or SESSION_NOT_PINNED,
         PER_SESSION_/GLOBAL_IN_FLIGHT_REQUEST_LIMIT_REACHED. `pin` is the pin seen by the script."""
@@ -282,6 +303,7 @@ class RoutingState:
         provider: str,
         *,
         lease_id: str | None = None,
+        pin_id: str | None = None,
         now_ms: int | None = None,
     ) -> CasResult:
         """Move the pin to `provider` and admit there, only if the live pin is `expected_pin`.
@@ -289,7 +311,7 @@ class RoutingState:
         The expected pin's provider may no longer serve `model` in this proxy's configuration
         (a configuration rollout): its pins key is passed as well, so the old pin stops counting
         there at once (it is the same pin whenever the ids match)."""
-        args = [expected_pin.id, provider, lease_id or new_id(), new_id()]
+        args = [expected_pin.id, provider, lease_id or new_id(), pin_id or new_id()]
         old_pins = (self.keys.provider_pins(model, expected_pin.provider),)
         reply = await self._call("cas_repin", model, session_id, args, now_ms, extra_keys=old_pins)
         admission = _decode(model, session_id, reply, provider)
@@ -297,7 +319,7 @@ class RoutingState:
         return CasResult(match, admission)
 
     async def try_admit_request_without_pin(
-        self, provider: str, model: str, *, lease_id: str | None = None, now_ms: int | None = None
+        self, provider: str, model: str, *, lease_id: str | None = None, pin_id: str | None = None, now_ms: int | None = None
     ) -> Admission:
         """Admit a temporary request (no pin) on a pair with limits; reserved slots not allowed."""
         reply = await self._call("admit_without_pin", model, "", [provider, lease_id or new_id()], now_ms)
@@ -321,6 +343,17 @@ class RoutingState:
         """Release a lease; with `refresh_pin` the pin's inactivity deadline restarts. Idempotent."""
         args = [lease.provider, lease.id, lease.pin_id or "", "1" if refresh_pin else "0"]
         reply = await self._call("release", lease.model, lease.session_id or "", args, now_ms)
+        return LeaseUpdate(Result(_text(reply[0])), None, int(reply[1]))
+
+    async def abandon_request(
+        self, model: str, session_id: str | None, lease_id: str, pin_id: str, *, now_ms: int | None = None
+    ) -> LeaseUpdate:
+        """End whatever a decision whose answer never arrived may have admitted (lua/abandon.lua):
+        lease `lease_id` on every provider of `model` becomes an expired record (so an admission
+        with it still on its way replays as LEASE_EXPIRED and never admits), and a pin the
+        decision made under `pin_id` ends unless another lease holds it. RELEASED when a live
+        lease was found, NOT_FOUND when none (the id was never admitted). Idempotent."""
+        reply = await self._call("abandon", model, session_id or "", [lease_id, pin_id], now_ms)
         return LeaseUpdate(Result(_text(reply[0])), None, int(reply[1]))
 
     def has_configured_limits(self, provider: Provider, model: str) -> bool:

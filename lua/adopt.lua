@@ -1,6 +1,10 @@
--- Adopt a request lease granted locally while Redis was unreachable (the `degrade` outage
--- policy): the request is already running, so it is recorded without a capacity check and
--- counts from now on like any lease. Never replaces an existing lease.
+-- Adopt a request lease this process holds for a request that is already running: one granted
+-- locally while Redis was unreachable, one Redis lost (a restart without persistence, a flush, a
+-- failover), or one that expired while its renewals could not reach Redis. It is recorded
+-- without a capacity check (its request runs either way) and counts from now on like any lease:
+-- the deadline becomes max(recorded deadline, now + lease timeout), so a live lease is never
+-- shortened and an expired record is brought back. It is a temporary lease: the session's
+-- leases and pin are not touched.
 -- Op ARGV: provider name, lease id.
 local ctx = read_context()
 local p = ctx.by_name[op_arg(ctx, 1)]
@@ -8,7 +12,8 @@ local lease_id = op_arg(ctx, 2)
 if not p then
   return unknown_provider(ctx, op_arg(ctx, 1))
 end
-local deadline = ctx.now + ctx.lease_timeout
-redis.call('ZADD', p.leases_key, 'NX', deadline, lease_id)
+local score = tonumber(redis.call('ZSCORE', p.leases_key, lease_id)) or 0
+local deadline = math.max(score, ctx.now + ctx.lease_timeout)
+redis.call('ZADD', p.leases_key, deadline, lease_id)
 redis.call('PEXPIRE', p.leases_key, ctx.lease_timeout + ctx.grace)
 return reply(ctx, 'ADMITTED', nil, lease_id, deadline)

@@ -181,14 +181,14 @@ class Recorder:
             lambda: self.state.get_pin(model, session_id, now_ms=now_ms),
         )
 
-    async def get_pin_and_try_admit(self, model, session_id, eligible, *, lease_id=None, now_ms=None):
+    async def get_pin_and_try_admit(self, model, session_id, eligible, *, lease_id=None, pin_id=None, now_ms=None):
         """The fused first attempt, logged as the spec's two steps it stands for: get_pin, then
         the admission it tried (none when it tried none). It is atomic, so nothing of another
         caller can fall between the two entries."""
         now_ms, lease_id = self._now(now_ms), lease_id or next(self.lease_ids)
         async with self.lock:
             pin, admission = await self.state.get_pin_and_try_admit(
-                model, session_id, eligible, lease_id=lease_id, now_ms=now_ms
+                model, session_id, eligible, lease_id=lease_id, pin_id=pin_id, now_ms=now_ms
             )
             now = admission.now_ms if admission is not None else now_ms
             self.log.append(Entry(_task(), "get_pin", {"model": model, "session": session_id}, None, now, pin, self.proxy))
@@ -200,16 +200,16 @@ class Recorder:
                 self.log.append(Entry(_task(), op, args, lease_id, admission.now_ms, admission, self.proxy))
         return pin, admission
 
-    async def try_admit_unpinned_session_request(self, provider, model, session_id, *, lease_id=None, now_ms=None):
+    async def try_admit_unpinned_session_request(self, provider, model, session_id, *, lease_id=None, pin_id=None, now_ms=None):
         now_ms, lease_id = self._now(now_ms), lease_id or next(self.lease_ids)
         return await self._run(
             "admit_unpinned", {"provider": provider, "model": model, "session": session_id}, lease_id, now_ms,
             lambda: self.state.try_admit_unpinned_session_request(
-                provider, model, session_id, lease_id=lease_id, now_ms=now_ms
+                provider, model, session_id, lease_id=lease_id, pin_id=pin_id, now_ms=now_ms
             ),
         )
 
-    async def try_admit_pinned_session_request(self, model, session_id, *, lease_id=None, now_ms=None):
+    async def try_admit_pinned_session_request(self, model, session_id, *, lease_id=None, pin_id=None, now_ms=None):
         now_ms, lease_id = self._now(now_ms), lease_id or next(self.lease_ids)
         return await self._run(
             "admit_pinned", {"model": model, "session": session_id}, lease_id, now_ms,
@@ -217,18 +217,18 @@ class Recorder:
         )
 
     async def try_compare_and_swap_pin_and_admit_request(
-        self, expected_pin, model, session_id, provider, *, lease_id=None, now_ms=None
+        self, expected_pin, model, session_id, provider, *, lease_id=None, pin_id=None, now_ms=None
     ):
         now_ms, lease_id = self._now(now_ms), lease_id or next(self.lease_ids)
         args = {"expected_pin": expected_pin, "model": model, "session": session_id, "provider": provider}
         return await self._run(
             "cas", args, lease_id, now_ms,
             lambda: self.state.try_compare_and_swap_pin_and_admit_request(
-                expected_pin, model, session_id, provider, lease_id=lease_id, now_ms=now_ms
+                expected_pin, model, session_id, provider, lease_id=lease_id, pin_id=pin_id, now_ms=now_ms
             ),
         )
 
-    async def try_admit_request_without_pin(self, provider, model, *, lease_id=None, now_ms=None):
+    async def try_admit_request_without_pin(self, provider, model, *, lease_id=None, pin_id=None, now_ms=None):
         now_ms, lease_id = self._now(now_ms), lease_id or next(self.lease_ids)
         return await self._run(
             "admit_without_pin", {"provider": provider, "model": model}, lease_id, now_ms,
@@ -246,6 +246,14 @@ class Recorder:
         return await self._run(
             "release", {"lease": lease, "refresh": bool(refresh_pin)}, None, now_ms,
             lambda: self.state.release_request_lease(lease, refresh_pin, now_ms=now_ms),
+        )
+
+    async def abandon_request(self, model, session_id, lease_id, pin_id, *, now_ms=None):
+        now_ms = self._now(now_ms)
+        args = {"model": model, "session": session_id, "pin_id": pin_id}
+        return await self._run(
+            "abandon", args, lease_id, now_ms,
+            lambda: self.state.abandon_request(model, session_id, lease_id, pin_id, now_ms=now_ms),
         )
 
     def has_configured_limits(self, provider, model):
@@ -339,6 +347,12 @@ class Checker:
             self.seen.add(result)
             expect(entry.result.result.value == result, f"{where}: {entry.result.result.value}, model {result}")
             expect(entry.result.deadline_ms == deadline, f"{where}: deadline {entry.result.deadline_ms}, model {deadline}")
+            return result
+        elif entry.op == "abandon":
+            pin_id = self.pin_ids.model_id(a["pin_id"])
+            result = m.abandon_request(a["model"], a["session"], entry.lease_id, pin_id, now)
+            self.seen.add(result)
+            expect(entry.result.result.value == result, f"{where}: {entry.result.result.value}, model {result}")
             return result
         elif entry.op == "release":
             lease = a["lease"]

@@ -332,6 +332,22 @@ class DifferentialMachine(RuleBasedStateMachine):
         self.now += dt
         self.call(self.real.release_request_lease(self.pick_lease(index), refresh))
 
+    @rule(dt=DT, model=st.sampled_from(MODELS), who=st.integers(0, 8), index=st.none() | st.integers(0, 50),
+          own_pin=st.booleans())
+    def abandon(self, model, who, index, own_pin, dt):
+        """A decision whose answer never arrived is abandoned (issue 10): its lease id (one handed
+        out, live or not, or one never admitted) with the pin id minted for it (the session's live
+        pin's, as if the decision had made it, or one never used)."""
+        self.now += dt
+        if index is not None and self.leases:
+            lease = self.pick_lease(index)
+            model, session, lease_id = lease.model, lease.session_id, lease.id
+        else:
+            session, lease_id = self.session(model, who), next(self.fresh)
+        pin = self.model.live_pin_at(model, session, self.now) if session is not None else None
+        pin_id = self.checker.pin_ids.to_real[pin.id] if own_pin and pin is not None else f"P-{next(self.fresh)}"
+        self.call(self.real.abandon_request(model, session, lease_id, pin_id))
+
     @rule(pair=st.sampled_from(PAIRS), degraded=st.booleans())
     def mark(self, pair, degraded):
         """Mark a pair degraded or healthy (an unlimited provider's flag must change nothing)."""

@@ -328,3 +328,56 @@ async def test_a_repin_by_a_proxy_that_no_longer_routes_the_old_provider_frees_i
     moved = await other.try_compare_and_swap_pin_and_admit_request(first.pin, "m", "s1", "iris-1", now_ms=T0 + 1)
     assert moved.admission.result is Result.ADMITTED
     assert await redis_client.zcount(state.keys.provider_pins("m", "iris-2"), f"({T0 + 1}", "+inf") == 0
+
+
+async def test_fused_first_attempt_replaying_an_expired_lease_of_a_pinned_session(state):
+    """Issue 10, item 9: the replay answers LEASE_EXPIRED without a pin; the pin seen is still
+    reported (it raised AttributeError)."""
+    first = await pin_new_session(state)
+    later = T0 + LEASE_MS + 1
+    pin, admission = await state.get_pin_and_try_admit("m", "s1", ["iris-1"], lease_id=first.lease.id, now_ms=later)
+    assert admission.result is Result.LEASE_EXPIRED
+    assert (pin.provider, pin.id) == ("iris-1", first.pin.id)
+
+
+async def test_abandoning_a_decision_ends_its_lease_and_the_pin_it_made(state, redis_client):
+    admission = await state.try_admit_unpinned_session_request("iris-1", "m", "s1", lease_id="L", pin_id="P", now_ms=T0)
+    assert admission.result is Result.ADMITTED
+    update = await state.abandon_request("m", "s1", "L", "P", now_ms=T0 + 5)
+    assert update.result is Result.RELEASED
+    assert await live_leases(redis_client, state, "iris-1", T0 + 5) == 0
+    assert await state.get_pin("m", "s1", now_ms=T0 + 5) is None
+    # The admission, arriving late with the same ids, never admits: the id is a tombstone.
+    late = await state.try_admit_unpinned_session_request("iris-1", "m", "s1", lease_id="L", pin_id="P", now_ms=T0 + 6)
+    assert late.result is Result.LEASE_EXPIRED
+    assert await state.get_pin("m", "s1", now_ms=T0 + 6) is None
+    assert (await state.abandon_request("m", "s1", "L", "P", now_ms=T0 + 7)).result is Result.LEASE_EXPIRED
+
+
+async def test_abandoning_an_id_never_admitted_changes_no_pin(state, redis_client):
+    first = await pin_new_session(state)
+    update = await state.abandon_request("m", "s1", "never", "unused-pin", now_ms=T0 + 5)
+    assert update.result is Result.NOT_FOUND
+    assert await state.get_pin("m", "s1", now_ms=T0 + 5) == first.pin
+    assert await live_leases(redis_client, state, "iris-1", T0 + 5) == 1
+
+
+async def test_abandoning_a_lease_on_an_existing_pin_keeps_the_pin(state, redis_client):
+    first = await pin_new_session(state)
+    admission = await state.try_admit_pinned_session_request("m", "s1", lease_id="L2", now_ms=T0 + 1)
+    assert admission.result is Result.ADMITTED
+    assert (await state.abandon_request("m", "s1", "L2", "P-unused", now_ms=T0 + 2)).result is Result.RELEASED
+    pin = await state.get_pin("m", "s1", now_ms=T0 + 2)
+    assert pin.id == first.pin.id
+    assert await live_leases(redis_client, state, "iris-1", T0 + 2) == 1
+
+
+async def test_adoption_brings_back_an_expired_lease_and_never_shortens_one(state, redis_client):
+    first = await pin_new_session(state)
+    after_expiry = T0 + LEASE_MS + 10
+    assert (await state.renew_request_lease(first.lease, now_ms=after_expiry)).result is Result.LEASE_LOST
+    adopted = await state.adopt_request_lease(first.lease, now_ms=after_expiry)
+    assert adopted.lease.deadline_ms == after_expiry + LEASE_MS
+    assert (await state.renew_request_lease(first.lease, now_ms=after_expiry + 1)).result is Result.RENEWED
+    again = await state.adopt_request_lease(first.lease, now_ms=after_expiry - LEASE_MS)
+    assert again.lease.deadline_ms == after_expiry + 1 + LEASE_MS

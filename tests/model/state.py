@@ -383,6 +383,28 @@ class RoutingModel:
         # live, the pin is dead from now on (its expiry is computed from what is left).
         return RELEASED
 
+    def abandon_request(self, model: str, session: str | None, lease_id: str, pin_id: str, now: int) -> str:
+        """A decision whose answer never arrived (issue 10): on every pair of the model the lease
+        id is left as an expired record (so a late admission with it replays LEASE_EXPIRED), and
+        the session's pin, if the decision made it (`pin_id`), loses its inactivity deadline.
+        RELEASED if a live lease was found, LEASE_EXPIRED if only an expired one, else NOT_FOUND."""
+        result = NOT_FOUND
+        for provider, pair_model in self.pairs:
+            if pair_model != model:
+                continue
+            lease = self.find_lease(model, provider, lease_id)
+            if lease is not None:
+                if lease.deadline > now:
+                    result = RELEASED
+                elif result == NOT_FOUND:
+                    result = LEASE_EXPIRED
+                self.leases.remove(lease)
+            self.leases.append(LeaseRecord(model, provider, lease_id, None, None, now))
+        pin = self.live_pin_at(model, session, now) if session is not None else None
+        if pin is not None and pin.id == pin_id:
+            pin.deadline = now
+        return result
+
     def forget(self, model: str, provider: str, lease_id: str, now: int) -> None:
         """Housekeeping: forget an expired lease record. Only allowed once it is forgettable."""
         lease = self.find_lease(model, provider, lease_id)

@@ -1,0 +1,38 @@
+-- Abandon a decision whose answer never reached its caller (the client hung up, the decision
+-- timed out or failed), so whatever it may have admitted ends: the lease id becomes an expired
+-- record on every provider of the model (a tombstone: an admission with that id still on its way
+-- replays as LEASE_EXPIRED and never admits; housekeeping forgets it a lease timeout later), it
+-- leaves the session's leases, and the session's pin ends if the decision made it (its id is the
+-- one minted for the decision) and no other lease holds it. Idempotent.
+-- Replies RELEASED when a live lease was found, LEASE_EXPIRED when only an expired one, else
+-- NOT_FOUND (the id was never admitted), with the session's pin afterwards.
+-- Op ARGV: lease id, the pin id minted for the decision.
+local ctx = read_context()
+local lease_id, pin_id = op_arg(ctx, 1), op_arg(ctx, 2)
+local result = 'NOT_FOUND'
+for _, p in pairs(ctx.by_name) do
+  local score = tonumber(redis.call('ZSCORE', p.leases_key, lease_id))
+  if score and score > ctx.now then
+    result = 'RELEASED'
+  elseif score and result == 'NOT_FOUND' then
+    result = 'LEASE_EXPIRED'
+  end
+  redis.call('ZADD', p.leases_key, ctx.now, lease_id)
+  redis.call('PEXPIRE', p.leases_key, ctx.lease_timeout + ctx.grace)
+end
+redis.call('ZREM', ctx.session_leases_key, lease_id)
+local pin = read_pin(ctx)
+if pin and ctx.by_name[pin.provider] then
+  local p = ctx.by_name[pin.provider]
+  if pin.id == pin_id then
+    pin.deadline = ctx.now
+  end
+  pin.expiry = math.max(pin.deadline, latest_session_lease_deadline(ctx))
+  if pin.expiry <= ctx.now then
+    drop_pin(ctx, p, pin)
+    pin = nil
+  else
+    save_pin(ctx, p, pin)
+  end
+end
+return reply(ctx, result, pin, lease_id)
