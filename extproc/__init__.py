@@ -2,5 +2,5 @@
 
 Data path: gRPC stream (server) -> OpenAI request parsing (openai_request) -> routing algorithm
 (routing, the spec's functions) -> routing state (state, the Lua scripts in lua/) -> mutations
-back to Envoy -> lease release at stream end (leases).
+back to Envoy -> lease release at stream end (lease_table).
 """

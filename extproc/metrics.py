@@ -6,7 +6,11 @@ from prometheus_client import Counter, Histogram, start_http_server
 
 DECISIONS = Counter("iris_routing_decisions_total", "Requests routed, by provider and reason", ["provider", "reason"])
 REJECTIONS = Counter("iris_rejections_total", "Requests answered by the router itself, by code", ["code"])
-OUTAGE_DECISIONS = Counter("iris_outage_decisions_total", "Requests routed without Redis under the degrade policy")
+OUTAGE_DECISIONS = Counter("iris_outage_decisions_total", "Requests routed without Redis under the outage policy")
+LEASES_ADOPTED = Counter("iris_leases_adopted_total", "Local request leases adopted into Redis after an outage")
+DECISIONS_ABANDONED = Counter(
+    "iris_decisions_abandoned_total", "Decisions whose answer never arrived (hang-up, timeout, error): their ids were abandoned"
+)
 LEASES_LOST = Counter("iris_leases_lost_total", "Request leases reported lost (the request was cancelled)")
 DECISION_SECONDS = Histogram(
     "iris_decision_seconds",

@@ -1,14 +1,20 @@
-"""Routing while Redis cannot be reached: the outage policy.
+"""Routing while Redis cannot be reached: the circuit breaker and the outage policy.
 
-`fail_closed` answers 503 for the whole outage. `degrade` routes without shared state: unlimited
-providers as usual, own providers only within a local budget of each pair's unreserved in-flight
-slots divided by the number of live proxy instances last seen in Redis, so the fleet as a whole
-stays within the limit. No pins are made or read during an outage (requests are temporary).
+The breaker opens only on sustained failure (`redis.breaker_failures_in_a_row` failed calls in a
+row); a call that found the connection pool busy is load, not a failure, and a single slow reply
+is one failure. While it is open, decisions go straight to the policy and a probe brings shared
+routing back (extproc.lease_table.LeaseTable.recover adopts what was held meanwhile).
 
-A circuit breaker keeps requests from paying Redis timeouts one after another: after a failure,
-decisions go straight to the policy until a background probe reaches Redis again. Then shared
-routing resumes by itself, and the local leases still running are adopted into Redis, so they
-count there (and no longer locally) until released: nothing is counted twice or lost.
+`redis.outage_policy` (README "When Redis is gone"):
+- `degrade`: only pairs without an in-flight limit take new requests (third parties, pairs
+  without limits); own providers keep the requests they already run and take none.
+- `local_share`: as `degrade`, and a managed pair also takes requests while the leases this
+  instance holds there (admitted by Redis before the outage or locally during it) are fewer than
+  floor((max_global_in_flight_request_slots - reserved) / N), N the live instances last seen.
+- `fail_closed`: 503 `routing_unavailable` (decided by the caller).
+No pins are made or read during an outage (requests are temporary).
+
+This module decides where a request may go; the lease table holds the leases.
 """
 
 from __future__ import annotations
@@ -16,21 +22,21 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections import Counter
+from collections.abc import Callable
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from extproc.config import Config, Provider
-from extproc.routing import Decision, Reason, Rejection, RejectionKind, Router, RoutingRequest
-from extproc.state import Lease, RoutingState
+from extproc.routing import Rejection, RejectionKind, Router, RoutingRequest
+from extproc.state import is_pool_exhausted
 
 log = logging.getLogger(__name__)
 
 
 class InstanceRegistry:
     """Each proxy instance's heartbeat in Redis (a sorted set scored by heartbeat deadline, ms),
-    so every instance knows how many are live: the divisor of the local budgets."""
+    so every instance knows how many are live: the divisor of the local shares."""
 
     def __init__(self, redis: Redis, key_prefix: str, ttl_seconds: float = 5.0):
         self.redis = redis
@@ -57,103 +63,69 @@ class InstanceRegistry:
         await self.redis.zrem(self.key, self.instance_id)
 
 
-class LocalBudget:
-    """In-flight requests admitted locally during an outage, per (provider, model)."""
-
-    def __init__(self, config: Config):
-        self.config = config
-        self.in_flight: Counter[tuple[str, str]] = Counter()
-
-    def share(self, provider: Provider, model: str, live_instances: int | None) -> int | None:
-        """This instance's slots on the pair: floor(unreserved slots / live instances); None
-        means no in-flight limit; 0 when no instance count was ever seen (an instance that
-        never reached Redis cannot know its share)."""
-        limits = provider.limits(model)
-        if limits is None or limits.max_global_in_flight_request_slots is None:
-            return None
-        if not live_instances:
-            return 0
-        unreserved = (
-            limits.max_global_in_flight_request_slots
-            - limits.global_in_flight_request_slots_reserved_for_pinned_sessions
-        )
-        return max(0, unreserved) // live_instances
-
-    def try_take(self, provider: Provider, model: str, live_instances: int | None) -> bool:
-        share = self.share(provider, model, live_instances)
-        if share is not None and self.in_flight[(provider.name, model)] >= share:
-            return False
-        self.in_flight[(provider.name, model)] += 1
-        return True
-
-    def give_back(self, provider: str, model: str) -> None:
-        self.in_flight[(provider, model)] -= 1
-
-
-class OutageRouter:
-    """Decides without Redis under the `degrade` policy (see the module docstring)."""
+class OutagePolicy:
+    """Where a request may go without Redis under `degrade` or `local_share` (module docstring)."""
 
     def __init__(self, config: Config, router: Router, registry: InstanceRegistry):
         self.config = config
         self.router = router
         self.registry = registry
-        self.budget = LocalBudget(config)
-        self.local_leases: dict[str, Lease] = {}  # granted here and not yet adopted into Redis
 
-    def decide(self, request: RoutingRequest) -> Decision | Rejection:
-        """The spec's temporary fallback over local budgets: first provider in priority order
-        that supports the request, is not degraded (last snapshot) and has local room."""
+    def share(self, provider: Provider, model: str) -> int | None:
+        """The most leases this instance may hold on the pair during an outage; None: the pair
+        has no in-flight limit. 0 under `degrade`, and when no instance count was ever seen
+        (an instance that never reached Redis cannot know its share)."""
+        limits = provider.limits(model)
+        if limits is None or limits.max_global_in_flight_request_slots is None:
+            return None
+        live = self.registry.live_instances
+        if self.config.redis.outage_policy != "local_share" or not live:
+            return 0
+        unreserved = limits.max_global_in_flight_request_slots - limits.global_in_flight_request_slots_reserved_for_pinned_sessions
+        return max(0, unreserved) // live
+
+    def choose(self, request: RoutingRequest, held: Callable[[str, str], int]) -> Provider | Rejection:
+        """The first provider in priority order that supports the request, is not degraded (last
+        snapshot) and has room: no in-flight limit, or `held(provider, model)` (every lease this
+        instance holds on the pair) under its share."""
         for provider in self.router.eligible(request):
-            if not self.budget.try_take(provider, request.model, self.registry.live_instances):
-                continue
-            lease = Lease(request.model, provider.name, uuid.uuid4().hex, None, None, 0)
-            self.local_leases[lease.id] = lease
-            return Decision(provider, Reason.UNPINNED, lease, None, refresh_pin_on_success=False, local=True)
+            share = self.share(provider, request.model)
+            if share is None or held(provider.name, request.model) < share:
+                return provider
         rejection = self.router.reject_request_as_unsupported_or_unavailable(request)
         if rejection.kind is RejectionKind.CAPACITY:
-            return Rejection(RejectionKind.UNAVAILABLE, "the routing state is unreachable and local budgets are full")
+            return Rejection(RejectionKind.UNAVAILABLE, "the routing state is unreachable and no provider without a limit can take the request")
         return rejection
-
-    def release(self, lease: Lease) -> bool:
-        """Give back a local lease. Returns False when it was adopted into Redis (the caller then
-        releases it there)."""
-        if self.local_leases.pop(lease.id, None) is None:
-            return False
-        self.budget.give_back(lease.provider, lease.model)
-        return True
-
-    def is_adopted(self, lease: Lease) -> bool:
-        """Whether a lease granted here now lives in Redis."""
-        return lease.id not in self.local_leases
-
-    async def adopt_running_leases(self, state: RoutingState) -> int:
-        """Write every running local lease into Redis so the shared counts include it from now
-        on, and stop counting it locally. Returns how many were adopted. Raises RedisError."""
-        adopted = 0
-        for lease in list(self.local_leases.values()):
-            await state.adopt_request_lease(lease)
-            if self.local_leases.pop(lease.id, None) is None:
-                # Its request ended while the adoption was on its way: release it in Redis too.
-                await state.release_request_lease(lease, refresh_pin=False)
-                continue
-            self.budget.give_back(lease.provider, lease.model)
-            adopted += 1
-        return adopted
 
 
 class RedisBreaker:
-    """Open after a Redis failure, so decisions stop waiting on Redis; the server's probe loop
-    closes it once Redis answers and the local leases are adopted."""
+    """Open after `failures_in_a_row` failed Redis calls in a row (pool exhaustion excluded), so
+    decisions stop waiting on Redis; a success resets the run. The lease table's recovery closes
+    it once Redis answers again."""
 
-    def __init__(self, redis: Redis):
+    def __init__(self, redis: Redis, failures_in_a_row: int = 3):
         self.redis = redis
+        self.failures_in_a_row = failures_in_a_row
+        self.failures = 0
         self.open_since: float | None = None
 
     @property
     def is_open(self) -> bool:
         return self.open_since is not None
 
-    def trip(self, error: Exception) -> None:
+    def record_failure(self, error: BaseException) -> None:
+        """Count one failed call (a RedisError or a timeout). A busy pool is not counted."""
+        if is_pool_exhausted(error):
+            return
+        self.failures += 1
+        if self.failures >= self.failures_in_a_row:
+            self.trip(error)
+
+    def record_success(self) -> None:
+        self.failures = 0
+
+    def trip(self, error: BaseException) -> None:
+        """Open now (outage policy in force)."""
         if self.open_since is None:
             log.warning("routing state unreachable (%s): outage policy in force", type(error).__name__)
             self.open_since = time.monotonic()
@@ -167,6 +139,7 @@ class RedisBreaker:
         return True
 
     def close(self) -> None:
+        self.failures = 0
         if self.open_since is not None:
             log.warning("routing state reachable again after %.1f s", time.monotonic() - self.open_since)
             self.open_since = None

@@ -5,10 +5,12 @@ request headers (path, method, user id) -> request body, BUFFERED (parse, decide
 setting the routing header with clear_route_cache) -> response headers (record `:status`) ->
 response trailers -> stream end, when the lease is released, refreshing the pin only after a 2xx.
 
-The stream end reaches a grpc.aio handler as the end of reads or as a cancellation; a
-done-callback on the call catches any other way. Release is idempotent, so whichever comes first
-wins. A lease reported lost ends the stream with an error; Envoy, failing closed, then resets the
-HTTP stream: that is how the spec's "cancel the request" reaches the client.
+The stream loop knows only Envoy's phases: it hands each decision to the lease table
+(extproc.lease_table), which owns every lease, and hands it the stream's end. The end reaches a
+grpc.aio handler as the end of reads or as a cancellation; a done-callback on the call catches
+any other way; the table's `end` is idempotent, so whichever comes first wins. A lease reported
+lost ends the stream with an error; Envoy, failing closed, then resets the HTTP stream: that is
+how the spec's "cancel the request" reaches the client.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import logging
 import os
 import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
@@ -31,9 +33,9 @@ from extproc.adaptation import RequestAdapter
 from extproc.config import Config
 from extproc.degraded import DegradedFlags
 from extproc.health import HealthMonitor
-from extproc.leases import LeaseHolder
+from extproc.lease_table import Held, LeaseTable, Refusal
 from extproc.openai_request import RequestError, feature_for_path, parse_request, session_id
-from extproc.outage import InstanceRegistry, OutageRouter, RedisBreaker
+from extproc.outage import InstanceRegistry, OutagePolicy, RedisBreaker
 from extproc.routing import Decision, Rejection, RejectionKind, Router, RoutingRequest
 from extproc.state import RoutingState, connect
 
@@ -63,10 +65,14 @@ class StreamState:
     method: str = ""
     user_id: str = ""
     model: str = ""
-    holder: LeaseHolder | None = None
+    held: Held | None = None
     decision: Decision | None = None
     status: int | None = None
-    lease_lost: asyncio.Event = field(default_factory=asyncio.Event)
+    ended: bool = False
+
+    @property
+    def lease_lost(self) -> bool:
+        return self.held is not None and self.held.lost.is_set()
 
 
 class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
@@ -76,11 +82,8 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
     def __init__(
         self,
         config: Config,
-        router: Router,
-        state: RoutingState,
+        leases: LeaseTable,
         secret: bytes,
-        outage: OutageRouter,
-        breaker: RedisBreaker,
         adapter: RequestAdapter | None = None,
         health: HealthMonitor | None = None,
     ):
@@ -89,13 +92,9 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
         self.config = config
         self.adapter = adapter or RequestAdapter(config)
         self.health = health
-        self.router = router
-        self.state = state
+        self.leases = leases
         self.secret = secret
-        self.outage = outage
-        self.breaker = breaker
         self.models = frozenset(config.models())
-        self._releases: set[asyncio.Task] = set()
         self._routing_header = config.server.routing_header
 
     async def Process(self, request_iterator, context: grpc.aio.ServicerContext) -> None:  # noqa: N802 (gRPC name)
@@ -113,21 +112,16 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
                         break
         finally:
             self._end_stream(stream)
-        if stream.lease_lost.is_set():
+        if stream.lease_lost:
             await context.abort(grpc.StatusCode.ABORTED, "request lease lost: the request is cancelled")
-
-    async def wait_for_releases(self) -> None:
-        """Wait until every release started so far has reached Redis (for a clean shutdown)."""
-        if self._releases:
-            await asyncio.gather(*list(self._releases), return_exceptions=True)
 
     async def _next_message(self, context, stream: StreamState) -> ProcessingRequest | None:
         """The next message, or None at the end of the stream or when the lease was lost."""
         read = asyncio.ensure_future(context.read())
-        if stream.holder is None:
+        if stream.held is None or stream.held.lease is None:
             message = await read
         else:
-            lost = asyncio.ensure_future(stream.lease_lost.wait())
+            lost = asyncio.ensure_future(stream.held.lost.wait())
             try:
                 done, _ = await asyncio.wait((read, lost), return_when=asyncio.FIRST_COMPLETED)
             finally:
@@ -186,52 +180,37 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
         routing_request = RoutingRequest(
             parsed.model, parsed.feature, parsed.sub_features, session_id(self.secret, stream.user_id, parsed)
         )
-        outcome = await self._decide(routing_request)
-        if isinstance(outcome, ProcessingResponse):
-            return outcome
-        if isinstance(outcome, Rejection):
-            return self._reject_routing(outcome, parsed.model)
-        stream.decision = outcome
-        stream.holder = LeaseHolder(
-            self.state,
-            outcome,
-            self.config.lease_timeout_seconds,
-            stream.lease_lost.set,
-            release_local=self.outage.release,
-            is_adopted=self.outage.is_adopted,
-        )
-        stream.holder.start()
-        metrics.DECISIONS.labels(outcome.provider.name, outcome.reason.value).inc()
-        stream.model = parsed.model
-        change = self.adapter.adapt(outcome.provider, parsed.model, parsed.body)
-        return msg.route_to_cluster(
-            self._routing_header, outcome.provider.cluster, change.set_headers, change.remove, change.body
-        )
-
-    async def _decide(self, request: RoutingRequest) -> Decision | Rejection | ProcessingResponse:
         started = time.perf_counter()
         try:
-            if self.breaker.is_open:
-                return self._decide_during_outage(request)
-            async with asyncio.timeout(self.config.server.decision_timeout_seconds):
-                return await self.router.execute_request(request)
-        except (RedisError, TimeoutError) as exc:
-            self.breaker.trip(exc)
-            return self._decide_during_outage(request)
+            outcome = await self.leases.decide(routing_request)
         finally:
             metrics.DECISION_SECONDS.observe(time.perf_counter() - started)
-
-    def _decide_during_outage(self, request: RoutingRequest) -> Decision | Rejection | ProcessingResponse:
-        """The configured outage policy (README: "When Redis is gone")."""
-        if self.config.redis.outage_policy == "degrade":
-            metrics.OUTAGE_DECISIONS.inc()
-            return self.outage.decide(request)
-        metrics.REJECTIONS.labels("routing_unavailable").inc()
-        return msg.immediate_json(
-            503,
-            msg.openai_error_body("the routing service is temporarily unavailable", "service_unavailable", "routing_unavailable"),
-            {"retry-after": str(self.config.server.retry_after_seconds)},
+        if isinstance(outcome, Refusal):
+            return self._refuse(outcome)
+        if isinstance(outcome, Rejection):
+            return self._reject_routing(outcome, parsed.model)
+        if stream.ended:  # the stream ended while the decision was on its way
+            self.leases.end(outcome, succeeded=False)
+            return None
+        stream.held, stream.decision = outcome, outcome.decision
+        decision = outcome.decision
+        metrics.DECISIONS.labels(decision.provider.name, decision.reason.value).inc()
+        stream.model = parsed.model
+        change = self.adapter.adapt(decision.provider, parsed.model, parsed.body)
+        return msg.route_to_cluster(
+            self._routing_header, decision.provider.cluster, change.set_headers, change.remove, change.body
         )
+
+    def _refuse(self, refusal: Refusal) -> ProcessingResponse:
+        """README "When Redis is gone": 503 under fail_closed, 429 when this process's Redis
+        connections are all busy (load: retry soon)."""
+        metrics.REJECTIONS.labels(refusal.value).inc()
+        headers = {"retry-after": str(self.config.server.retry_after_seconds)}
+        if refusal is Refusal.OVERLOADED:
+            body = msg.openai_error_body("the routing service is overloaded: retry shortly", "rate_limit_error", refusal.value)
+            return msg.immediate_json(429, body, headers)
+        body = msg.openai_error_body("the routing service is temporarily unavailable", "service_unavailable", refusal.value)
+        return msg.immediate_json(503, body, headers)
 
     def _on_response_headers(self, stream: StreamState, request: ProcessingRequest) -> ProcessingResponse:
         headers = msg.header_map(request.response_headers)
@@ -247,16 +226,11 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
         return msg.continue_response_headers(extra)
 
     def _end_stream(self, stream: StreamState) -> None:
-        """Release the stream's lease once, whichever way the stream ended."""
-        holder, stream.holder = stream.holder, None
-        if holder is None:
-            return
-        succeeded = stream.status is not None and 200 <= stream.status < 300
-        task = asyncio.get_running_loop().create_task(holder.finish(succeeded))
-        self._releases.add(task)
-        task.add_done_callback(self._releases.discard)
-        if holder.lost:
-            metrics.LEASES_LOST.inc()
+        """Hand the stream's end to the lease table (idempotent), whichever way it ended."""
+        stream.ended = True
+        if stream.held is not None:
+            succeeded = stream.status is not None and 200 <= stream.status < 300
+            self.leases.end(stream.held, succeeded)
 
     def _too_large(self) -> RequestError:
         limit = self.config.server.max_body_bytes
@@ -289,12 +263,11 @@ class Gateway:
         self.degraded = DegradedFlags(self.redis, config)
         self.router = Router(config, self.state, self.degraded)
         self.registry = InstanceRegistry(self.redis, config.redis.key_prefix, ttl_seconds=config.redis.instance_heartbeat_seconds * 5)
-        self.breaker = RedisBreaker(self.redis)
-        self.outage = OutageRouter(config, self.router, self.registry)
+        self.breaker = RedisBreaker(self.redis, config.redis.breaker_failures_in_a_row)
+        self.outage = OutagePolicy(config, self.router, self.registry)
+        self.leases = LeaseTable(config, self.state, self.router, self.outage, self.breaker)
         self.health = HealthMonitor(config, self.redis, self.degraded)
-        self.processor = ExternalProcessor(
-            config, self.router, self.state, secret, self.outage, self.breaker, health=self.health
-        )
+        self.processor = ExternalProcessor(config, self.leases, secret, health=self.health)
         self.server = grpc.aio.server(
             options=[
                 ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE_BYTES),
@@ -307,8 +280,10 @@ class Gateway:
 
     async def start(self) -> None:
         """Load scripts and flags when Redis is there (it may come later), start serving."""
+        self.leases.start()
         try:
             await self.state.load_scripts()
+            await self.leases.refresh_epoch()
             await self.degraded.refresh()
         except RedisError as exc:
             log.warning("redis not reachable at start-up, continuing: %s", exc)
@@ -322,27 +297,30 @@ class Gateway:
         log.info("ext_proc server listening on %s", self.config.server.listen)
 
     async def _heartbeat_forever(self) -> None:
-        """Keep this instance registered, so every instance knows the live count."""
+        """Keep this instance registered, so every instance knows the live count, and watch the
+        routing state's epoch (a change adopts every lease held: extproc.lease_table)."""
         while True:
             try:
                 await self.registry.heartbeat()
+                if not self.breaker.is_open:
+                    await self.leases.refresh_epoch()
+                self.breaker.record_success()
             except RedisError as exc:
-                self.breaker.trip(exc)
+                self.breaker.record_failure(exc)
             await asyncio.sleep(self.config.redis.instance_heartbeat_seconds)
 
     async def _probe_forever(self) -> None:
-        """While the breaker is open, probe Redis; when it answers, adopt the local leases and
-        let shared routing resume (scripts reload by themselves on NOSCRIPT)."""
+        """While the breaker is open, probe Redis; when it answers, the lease table adopts what
+        is held and shared routing resumes (scripts reload by themselves on NOSCRIPT)."""
         while True:
             await asyncio.sleep(self.config.redis.probe_interval_seconds)
             if not self.breaker.is_open or not await self.breaker.probe():
                 continue
             try:
-                adopted = await self.outage.adopt_running_leases(self.state)
                 await self.degraded.refresh()
+                adopted = await self.leases.recover()
             except RedisError:
                 continue
-            self.breaker.close()
             log.info("shared routing resumed; %d local leases adopted into Redis", adopted)
 
     async def drain(self) -> None:
@@ -350,7 +328,7 @@ class Gateway:
         is left, close Redis."""
         log.info("draining: up to %s s for open streams", self.config.server.drain_grace_seconds)
         await self.server.stop(self.config.server.drain_grace_seconds)
-        await self.processor.wait_for_releases()
+        await self.leases.drain()
         await self.health.close()
         for task in self._background:
             task.cancel()

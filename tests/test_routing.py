@@ -8,7 +8,6 @@ import pytest
 
 from extproc.config import parse_config
 from extproc.degraded import DegradedFlags
-from extproc.leases import LeaseHolder
 from extproc.routing import Decision, Reason, Rejection, RejectionKind, Router, RoutingRequest
 from extproc.state import Result, RoutingState
 from tests.conftest import small_config_data
@@ -182,38 +181,6 @@ async def test_degraded_flags_are_shared_through_redis(redis_client, small_confi
     await reader.refresh()
     assert reader.is_degraded("iris-2", "m")
     assert reader.reasons() == {("iris-2", "m"): "manual"}
-
-
-async def test_lease_holder_renews_and_releases_once(redis_url, redis_client):
-    config = parse_config(small_config_data(redis_url, lease_timeout_seconds=0.3))
-    state = RoutingState(redis_client, config)
-    router = Router(config, state, DegradedFlags(redis_client, config))
-    decision = await router.execute_request(chat("s"))
-    lost = []
-    holder = LeaseHolder(state, decision, 0.3, on_lost=lambda: lost.append(True))
-    holder.start()
-    await asyncio.sleep(1.0)  # > 3 lease timeouts: only renewals keep it alive
-    key = state.keys.provider_leases("m", "iris-1")
-    seconds, micros = await redis_client.time()
-    assert await redis_client.zcount(key, f"({seconds * 1000 + micros // 1000}", "+inf") == 1
-    assert await holder.finish(succeeded=True) is Result.RELEASED
-    assert await holder.finish(succeeded=True) is None
-    assert lost == []
-    assert await redis_client.zcard(key) == 0
-
-
-async def test_lease_holder_reports_a_lost_lease(redis_url, redis_client):
-    config = parse_config(small_config_data(redis_url, lease_timeout_seconds=0.3))
-    state = RoutingState(redis_client, config)
-    router = Router(config, state, DegradedFlags(redis_client, config))
-    decision = await router.execute_request(chat("s"))
-    lost = asyncio.Event()
-    holder = LeaseHolder(state, decision, 0.3, on_lost=lost.set)
-    await redis_client.delete(state.keys.provider_leases("m", "iris-1"))  # as if it had expired
-    holder.start()
-    await asyncio.wait_for(lost.wait(), timeout=5)
-    assert holder.lost
-    await holder.finish(succeeded=True)
 
 
 async def test_concurrent_sessions_never_exceed_the_limits(redis_url, redis_client):
