@@ -384,6 +384,9 @@ def machine_description() -> dict[str, Any]:
 MODEL = "llama-3.1-70b"
 
 
+USER_IDENTITY_HEADER = "x-user-id"
+
+
 def roomy_config(
     pin_timeout_seconds: float = 3600,
     lease_timeout_seconds: float = 30,
@@ -404,6 +407,8 @@ def roomy_config(
         "pin_inactivity_timeout_seconds": pin_timeout_seconds,
         "lease_timeout_seconds": lease_timeout_seconds,
         "redis": {"key_prefix": "bench", "housekeeping_grace_seconds": grace_seconds},
+        # The load generators stand in for an authenticating filter: x-user-id is the identity.
+        "session": {"trusted_identity_headers": [USER_IDENTITY_HEADER]},
         "server": {"expose_routing_headers": expose_routing_headers, "metrics_listen": metrics_listen},
         "providers": [
             {"name": "iris-1", "kind": "managed", "cluster": "iris-1",

@@ -60,7 +60,7 @@ from bench.common import (
     write_json,
 )
 from bench.loadgen import request_body, user_name
-from extproc.config import parse_config
+from extproc.config import IdentitySource, parse_config
 from extproc.openai_request import parse_request, session_id
 from extproc.state import SCRIPT_NAMES, Lease, RoutingState, connect, new_id, script_source
 from irislab.local_gateway import LocalGateway
@@ -74,7 +74,7 @@ PHASES = ("pinned", "new")
 def session_ids(secret: str, users: list[str], completions_prefix_chars: int) -> list[str]:
     """The session ids the gateway derives for `users` sending `bench.loadgen.request_body`."""
     parsed = parse_request("chat", request_body(MODEL), completions_prefix_chars)
-    return [session_id(secret.encode(), user, parsed) for user in users]
+    return [session_id(secret.encode(), f"{IdentitySource.TRUSTED_HEADER.value}:{user}", parsed) for user in users]
 
 
 async def preload(redis_url: str, config_data: dict, sessions: list[str], leases: int) -> float:

@@ -184,6 +184,7 @@ def router_config(args: argparse.Namespace) -> dict[str, Any]:
         "pin_inactivity_timeout_seconds": 300 / args.speedup,
         "lease_timeout_seconds": 30,
         "redis": {"key_prefix": KEY_PREFIX},
+        "session": {"trusted_identity_headers": [USER_HEADER]},  # the replay stands in for an authenticating filter
         "server": {"expose_routing_headers": True},
         "providers": [*own, {"name": THIRD_PARTY, "kind": "unlimited", "cluster": THIRD_PARTY,
                              "models": {MODEL: {"features": ["chat"]}}}],

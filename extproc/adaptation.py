@@ -8,7 +8,11 @@ model its own way and want its own API key. For the chosen (provider, model) thi
 - the provider's credential header (`authorization: Bearer <key>` or a configured header) read
   once at start-up from an environment variable or a file, never from the configuration file;
 - the client's own credential headers (`adaptation.client_credential_headers`) to remove, so a
-  client's key never reaches a provider.
+  client's key never reaches a provider;
+- for an unlimited provider (a third party), the headers that say who the client is or where it
+  connects from (`adaptation.private_headers`: cookies, forwarded-for, ..., and the session's
+  trusted identity headers) to remove as well: nothing of the client's identity leaves for a
+  third party.
 
 A key never appears in a log line, an error, a metric or a repr: errors name the variable or the
 file, never the value.
@@ -23,7 +27,7 @@ from pathlib import Path
 
 import orjson
 
-from extproc.config import Config, Credentials, Provider
+from extproc.config import Config, Credentials, Provider, ProviderKind
 
 
 class CredentialError(RuntimeError):
@@ -53,6 +57,8 @@ class RequestAdapter:
     def __init__(self, config: Config, environ: Mapping[str, str] | None = None):
         environ = os.environ if environ is None else environ
         self._client_headers = [h.lower() for h in config.adaptation.client_credential_headers]
+        private = [*config.adaptation.private_headers, *config.session.trusted_identity_headers]
+        self._private_headers = [h for h in dict.fromkeys(h.lower() for h in private) if h not in self._client_headers]
         self._credentials: dict[str, tuple[str, str]] = {}
         for provider in config.providers:
             if provider.credentials is not None:
@@ -74,6 +80,8 @@ class RequestAdapter:
         if credential is not None:
             headers[credential[0]] = credential[1]
         remove = [h for h in self._client_headers if h not in headers]
+        if provider.kind is ProviderKind.UNLIMITED:
+            remove += [h for h in self._private_headers if h not in headers]
         upstream = self._upstream_models.get((provider.name, model))
         new_body = None
         if upstream is not None:

@@ -13,7 +13,7 @@ import enum
 import os
 from collections import Counter
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -127,10 +127,24 @@ class DegradationSettings(_Strict):
     flag_ttl_intervals: float = Field(default=3.0, ge=1)
 
 
-class AdaptationSettings(_Strict):
-    """What every request loses before it leaves: the client's own credential headers."""
+_HEADER_NAME = r"^[a-z0-9][a-z0-9_.-]*$"
+HeaderName = Annotated[str, Field(pattern=_HEADER_NAME)]
 
-    client_credential_headers: list[str] = ["authorization", "api-key", "x-api-key"]
+# What tells who a client is, or where it is, to a third party: never sent to unlimited providers.
+DEFAULT_PRIVATE_HEADERS = (
+    "cookie", "x-forwarded-for", "forwarded", "x-real-ip", "true-client-ip", "x-client-ip",
+    "cf-connecting-ip", "x-envoy-external-address", "x-user-id",
+)
+
+
+class AdaptationSettings(_Strict):
+    """What requests lose before they leave: the client's own credential headers (every
+    provider), and the headers that identify the client or where it connects from (unlimited
+    providers: third parties). The session's trusted identity headers are removed before
+    unlimited providers as well, whatever this list says."""
+
+    client_credential_headers: list[HeaderName] = ["authorization", "api-key", "x-api-key"]
+    private_headers: list[HeaderName] = list(DEFAULT_PRIVATE_HEADERS)
 
 
 class Provider(_Strict):
@@ -175,11 +189,55 @@ class RedisSettings(_Strict):
     instance_heartbeat_seconds: float = Field(default=1.0, gt=0)
 
 
+class IdentitySource(str, enum.Enum):
+    """Where a client's identity may come from (README: "Identity and sessions").
+
+    `trusted_header`: a header an authenticating filter (jwt_authn, ext_authz) sets, listed in
+    `session.trusted_identity_headers`; envoy/envoy.yaml must strip the client's own copy.
+    `credential`: a keyed hash of the client's credential (`adaptation.client_credential_headers`).
+    `body`: the body's `safety_identifier`, else its `user` (client-chosen: weakest)."""
+
+    TRUSTED_HEADER = "trusted_header"
+    CREDENTIAL = "credential"
+    BODY = "body"
+
+
+class SessionSignal(str, enum.Enum):
+    """What may say "this is one conversation", strongest first by default.
+
+    `session_header`: `session.session_headers`; `prompt_cache_key`: the body field;
+    `conversation`: the Responses API's conversation id; `previous_response_id`: the session of
+    the response a Responses turn continues; `agent_headers`: `session.agent_session_headers`
+    (Codex CLI, Claude Code, ...); `prefix`: the spec's hash of the stable prompt prefix."""
+
+    SESSION_HEADER = "session_header"
+    PROMPT_CACHE_KEY = "prompt_cache_key"
+    CONVERSATION = "conversation"
+    PREVIOUS_RESPONSE_ID = "previous_response_id"
+    AGENT_HEADERS = "agent_headers"
+    PREFIX = "prefix"
+
+
+DEFAULT_AGENT_SESSION_HEADERS = (
+    "x-claude-code-session-id",  # Claude Code
+    "session-id", "session_id", "conversation_id", "thread-id",  # Codex CLI (newer, then older names)
+    "x-session-affinity", "x-litellm-session-id", "x-dynamo-session-id",
+)
+
+
 class SessionSettings(_Strict):
-    """How session ids are derived (the spec's determine_session_id)."""
+    """Who the client is and which conversation a request belongs to (the spec's
+    determine_session_id, with the session signals real clients send). The first identity source
+    in `identity_sources` that is present wins (none: anonymous), then the first signal in
+    `signals` that is present; the session id is a keyed hash of (identity, model, feature class,
+    signal, value)."""
 
     secret_env: str = "IRIS_SESSION_SECRET"
-    user_id_header: str = "x-user-id"
+    identity_sources: list[IdentitySource] = Field(default=list(IdentitySource), min_length=0)
+    trusted_identity_headers: list[HeaderName] = []
+    signals: list[SessionSignal] = Field(default=list(SessionSignal), min_length=1)
+    session_headers: list[HeaderName] = ["x-session-id"]
+    agent_session_headers: list[HeaderName] = list(DEFAULT_AGENT_SESSION_HEADERS)
     completions_prefix_chars: int = Field(default=2048, gt=0)
 
 
@@ -280,6 +338,24 @@ def _cross_field_problems(config: Config) -> list[str]:
                 problems.append(f"{at}.features: needs one of {sorted(FEATURE_CLASSES)}")
             problems.extend(_limit_problems(at, provider.kind, entry.limits))
         problems.extend(_provider_extension_problems(f"providers[{i}]", provider))
+    problems.extend(_session_problems(config))
+    return problems
+
+
+def _session_problems(config: Config) -> list[str]:
+    """No source or signal twice; a trusted identity header is not a header clients send anyway."""
+    session = config.session
+    problems = []
+    for name in ("identity_sources", "signals", "trusted_identity_headers", "session_headers", "agent_session_headers"):
+        values = getattr(session, name)
+        if len(set(values)) != len(values):
+            problems.append(f"session.{name}: holds a value twice")
+    clash = set(session.trusted_identity_headers) & (
+        {config.server.routing_header} | set(config.adaptation.client_credential_headers)
+        | set(session.session_headers) | set(session.agent_session_headers)
+    )
+    if clash:
+        problems.append(f"session.trusted_identity_headers: {sorted(clash)} cannot carry an identity")
     return problems
 
 

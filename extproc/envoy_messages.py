@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import orjson
 from envoy.config.core.v3.base_pb2 import HeaderValue, HeaderValueOption
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3.external_processor_pb2 import (
     BodyResponse,
     CommonResponse,
@@ -67,10 +68,30 @@ def route_to_cluster(
     return ProcessingResponse(request_body=BodyResponse(response=common))
 
 
-def continue_response_headers(extra_headers: dict[str, str] | None = None) -> ProcessingResponse:
-    """Let the response headers through, adding `extra_headers` if any."""
+def continue_response_headers(
+    extra_headers: dict[str, str] | None = None, read_body: str | None = None
+) -> ProcessingResponse:
+    """Let the response headers through, adding `extra_headers` if any. `read_body` ("BUFFERED"
+    or "STREAMED") asks Envoy to send this response's body too, by a mode override that keeps
+    every other phase as envoy/envoy.yaml configures it (and that its allowed_override_modes
+    lists): only /v1/responses answers pay for that (extproc.chains)."""
     common = CommonResponse(header_mutation=header_mutation(extra_headers)) if extra_headers else CommonResponse()
-    return ProcessingResponse(response_headers=HeadersResponse(response=common))
+    response = ProcessingResponse(response_headers=HeadersResponse(response=common))
+    if read_body is not None:
+        response.mode_override.CopyFrom(processing_mode(read_body))
+    return response
+
+
+def processing_mode(response_body_mode: str) -> ProcessingMode:
+    """envoy/envoy.yaml's processing mode with another response body mode."""
+    return ProcessingMode(
+        request_header_mode=ProcessingMode.SEND,
+        request_body_mode=ProcessingMode.BUFFERED,
+        request_trailer_mode=ProcessingMode.SKIP,
+        response_header_mode=ProcessingMode.SEND,
+        response_body_mode=ProcessingMode.BodySendMode.Value(response_body_mode),
+        response_trailer_mode=ProcessingMode.SEND,
+    )
 
 
 def continue_request_body() -> ProcessingResponse:
@@ -92,6 +113,18 @@ def continue_response_trailers() -> ProcessingResponse:
 def openai_error_body(message: str, error_type: str, code: str, param: str | None = None) -> bytes:
     """An OpenAI-style error: {"error": {"message", "type", "param", "code"}}."""
     return orjson.dumps({"error": {"message": message, "type": error_type, "param": param, "code": code}})
+
+
+def model_list_body(models: list[str], created: int) -> bytes:
+    """OpenAI's `GET /v1/models` answer: {"object": "list", "data": [{"id", "object": "model",
+    "created" (unix seconds), "owned_by"}]}."""
+    data = [{"id": model, "object": "model", "created": created, "owned_by": "iris"} for model in models]
+    return orjson.dumps({"object": "list", "data": data})
+
+
+def model_body(model: str, model_list: bytes) -> bytes:
+    """One entry of `model_list` (a model_list_body answer): `GET /v1/models/<model>`."""
+    return orjson.dumps(next(entry for entry in orjson.loads(model_list)["data"] if entry["id"] == model))
 
 
 def immediate_json(status: int, body: bytes, headers: dict[str, str] | None = None, details: str = "iris_extproc") -> ProcessingResponse:

@@ -11,6 +11,8 @@ LEASES_ADOPTED = Counter("iris_leases_adopted_total", "Local request leases adop
 DECISIONS_ABANDONED = Counter(
     "iris_decisions_abandoned_total", "Decisions whose answer never arrived (hang-up, timeout, error): their ids were abandoned"
 )
+SESSION_SIGNALS = Counter("iris_session_signals_total", "Requests by the signal that chose their session", ["signal"])
+CHAINS_RECORDED = Counter("iris_response_chains_recorded_total", "Responses API response ids recorded in Redis")
 LEASES_LOST = Counter("iris_leases_lost_total", "Request leases reported lost (the request was cancelled)")
 DECISION_SECONDS = Histogram(
     "iris_decision_seconds",

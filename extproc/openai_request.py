@@ -36,6 +36,8 @@ ENDPOINTS = {
     "/v1/responses": "responses",
 }
 
+MODELS_PATH = "/v1/models"
+
 _IMAGE_PART_TYPES = frozenset({"image_url", "input_image", "image"})
 
 
@@ -85,8 +87,14 @@ def session_id(secret: bytes, user_id: str, request: ParsedRequest) -> str | Non
     client can neither compute nor guess another user's session id."""
     if request.stable_prefix is None:
         return None
+    return keyed_hash(secret, user_id.encode(), request.model.encode(), request.feature.encode(), request.stable_prefix)
+
+
+def keyed_hash(secret: bytes, *parts: bytes) -> str:
+    """HMAC-BLAKE2b of the length-prefixed `parts` with `secret`, as 32 hex characters: no two
+    different part lists give the same input."""
     mac = hmac.new(secret, digestmod=hashlib.blake2b)
-    for part in (user_id.encode(), request.model.encode(), request.feature.encode(), request.stable_prefix):
+    for part in parts:
         mac.update(len(part).to_bytes(8, "big"))
         mac.update(part)
     return mac.hexdigest()[:32]

@@ -22,12 +22,17 @@ from extproc.state import Admission, Lease, Pin, PinMatch, Result, RoutingState,
 class RoutingRequest:
     """What routing needs to know of a request: the model, the feature class (chat, completions,
     embeddings, responses), its sub-features (tools, vision, ...) and the session id (None: the
-    request never forms a session, for example embeddings)."""
+    request never forms a session, for example embeddings).
+
+    `required_provider`: not the spec's. A Responses turn whose previous response is stored on
+    one provider can only be served there (extproc.chains); routing then treats every other
+    provider as unfit. None (every other request) leaves the spec's algorithm exactly as it is."""
 
     model: str
     feature: str
     sub_features: frozenset[str]
     session_id: str | None
+    required_provider: str | None = None
 
 
 class Reason(str, enum.Enum):
@@ -237,6 +242,8 @@ class Router:
         return provider.supports(request.model, request.feature, request.sub_features)
 
     def _fits(self, provider: Provider, request: RoutingRequest) -> bool:
+        if request.required_provider is not None and provider.name != request.required_provider:
+            return False
         return self._supports(provider, request) and not self.provider_is_degraded(provider, request.model)
 
     def eligible(self, request: RoutingRequest) -> list[Provider]:

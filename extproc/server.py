@@ -1,9 +1,12 @@
 """The ext_proc gRPC server: envoy.service.ext_proc.v3.ExternalProcessor/Process.
 
 One gRPC stream per HTTP request. Phases, in the order Envoy sends them (see envoy/envoy.yaml):
-request headers (path, method, user id) -> request body, BUFFERED (parse, decide, route by
-setting the routing header with clear_route_cache) -> response headers (record `:status`) ->
-response trailers -> stream end, when the lease is released, refreshing the pin only after a 2xx.
+request headers (path, method, identity and session headers; `GET /v1/models` is answered here)
+-> request body, BUFFERED (parse, identity, session key, decide, route by setting the routing
+header with clear_route_cache) -> response headers (record `:status`; a `/v1/responses` answer
+asks for its body) -> response body, only for `/v1/responses` (record the response id:
+extproc.chains) -> response trailers -> stream end, when the lease is released, refreshing the
+pin only after a 2xx.
 
 The stream loop knows only Envoy's phases: it hands each decision to the lease table
 (extproc.lease_table), which owns every lease, and hands it the stream's end. The end reaches a
@@ -30,13 +33,15 @@ from redis.exceptions import RedisError
 from extproc import envoy_messages as msg
 from extproc import metrics
 from extproc.adaptation import RequestAdapter
+from extproc.chains import ChainLink, ResponseChains, ResponseIdReader
 from extproc.config import Config
 from extproc.degraded import DegradedFlags
 from extproc.health import HealthMonitor
 from extproc.lease_table import Held, LeaseTable, Refusal
-from extproc.openai_request import RequestError, feature_for_path, parse_request, session_id
+from extproc.openai_request import MODELS_PATH, ParsedRequest, RequestError, feature_for_path, parse_request
 from extproc.outage import InstanceRegistry, OutagePolicy, RedisBreaker
 from extproc.routing import Decision, Rejection, RejectionKind, Router, RoutingRequest
+from extproc.sessions import HeaderSignals, SessionKeys, previous_response_id
 from extproc.state import RoutingState, connect
 
 log = logging.getLogger(__name__)
@@ -63,11 +68,16 @@ class StreamState:
 
     path: str = ""
     method: str = ""
-    user_id: str = ""
+    signals: HeaderSignals = HeaderSignals()
+    identity: str = ""
+    session_id: str | None = None
+    stores_response: bool = False  # a /v1/responses request whose answer is stored (store not false)
+    reads_response_id: bool = False  # the answer's response id is worth its cost (see _routing_request)
     model: str = ""
     held: Held | None = None
     decision: Decision | None = None
     status: int | None = None
+    reader: ResponseIdReader | None = None
     ended: bool = False
 
     @property
@@ -86,15 +96,20 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
         secret: bytes,
         adapter: RequestAdapter | None = None,
         health: HealthMonitor | None = None,
+        chains: ResponseChains | None = None,
     ):
         """Raises adaptation.CredentialError when no `adapter` is given and a provider's API key
-        cannot be read."""
+        cannot be read. `chains`: where Responses chains are recorded (default: in the lease
+        table's Redis)."""
         self.config = config
         self.adapter = adapter or RequestAdapter(config)
         self.health = health
         self.leases = leases
         self.secret = secret
         self.models = frozenset(config.models())
+        self.sessions = SessionKeys(config, secret)
+        self.chains = chains or ResponseChains(leases.state.redis, config, secret)
+        self._model_list = msg.model_list_body(config.models(), int(time.time()))
         self._routing_header = config.server.routing_header
 
     async def Process(self, request_iterator, context: grpc.aio.ServicerContext) -> None:  # noqa: N802 (gRPC name)
@@ -143,7 +158,7 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
         if phase == "response_trailers":
             return msg.continue_response_trailers()
         if phase == "response_body":
-            return msg.continue_response_body()
+            return await self._on_response_body(stream, request)
         if phase == "request_trailers":
             return msg.continue_request_trailers()
         return None
@@ -152,8 +167,10 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
         headers = msg.header_map(request.request_headers)
         stream.path = headers.get(":path", "")
         stream.method = headers.get(":method", "")
-        stream.user_id = headers.get(self.config.session.user_id_header.lower(), "")
+        stream.signals = self.sessions.read_headers(headers)
         try:
+            if _is_models_path(stream.path):
+                return self._answer_models(stream)
             feature_for_path(stream.path)
             if stream.method != "POST":
                 raise RequestError(405, f"method {stream.method[:20]!r} is not allowed here: use POST", "method_not_allowed")
@@ -177,9 +194,7 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
                 raise RequestError(404, f"the model '{parsed.model[:200]}' does not exist", "model_not_found", param="model")
         except RequestError as exc:
             return self._reject_request(exc)
-        routing_request = RoutingRequest(
-            parsed.model, parsed.feature, parsed.sub_features, session_id(self.secret, stream.user_id, parsed)
-        )
+        routing_request = await self._routing_request(stream, parsed)
         started = time.perf_counter()
         try:
             outcome = await self.leases.decide(routing_request)
@@ -188,6 +203,8 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
         if isinstance(outcome, Refusal):
             return self._refuse(outcome)
         if isinstance(outcome, Rejection):
+            if routing_request.required_provider is not None and outcome.kind is not RejectionKind.UNSUPPORTED:
+                return self._reject_chained(routing_request, previous_response_id(parsed))
             return self._reject_routing(outcome, parsed.model)
         if stream.ended:  # the stream ended while the decision was on its way
             self.leases.end(outcome, succeeded=False)
@@ -200,6 +217,31 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
         return msg.route_to_cluster(
             self._routing_header, decision.provider.cluster, change.set_headers, change.remove, change.body
         )
+
+    async def _routing_request(self, stream: StreamState, parsed: ParsedRequest) -> RoutingRequest:
+        """Identity, session key and, for a Responses turn continuing a stored response, the
+        provider that stores it (README: "Identity and sessions")."""
+        stream.identity = self.sessions.identity(stream.signals, parsed)
+        link = None
+        previous = previous_response_id(parsed)
+        breaker = self.leases.breaker
+        if previous is not None and not breaker.is_open:
+            try:
+                link = await self.chains.lookup(parsed.model, stream.identity, previous)
+                breaker.record_success()
+            except RedisError as exc:
+                breaker.record_failure(exc)
+        key = self.sessions.session(stream.signals, parsed, stream.identity, link.session_id if link else None)
+        stream.session_id = key.session_id
+        stream.stores_response = parsed.feature == "responses" and parsed.body.get("store") is not False
+        # A stored answer binds its chain to the provider: always read. An unstored one only tells
+        # the next turn its session, which a signal ranked before previous_response_id tells anyway.
+        stream.reads_response_id = parsed.feature == "responses" and (
+            stream.stores_response or not self.sessions.outranks_previous_response(key.signal)
+        )
+        metrics.SESSION_SIGNALS.labels(key.signal.value if key.signal else "none").inc()
+        required = link.provider if link else None
+        return RoutingRequest(parsed.model, parsed.feature, parsed.sub_features, key.session_id, required)
 
     def _refuse(self, refusal: Refusal) -> ProcessingResponse:
         """README "When Redis is gone": 503 under fail_closed, 429 when this process's Redis
@@ -223,7 +265,33 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
         extra = None
         if self.config.server.expose_routing_headers and stream.decision is not None:
             extra = {"x-iris-provider": stream.decision.provider.name, "x-iris-route-reason": stream.decision.reason.value}
-        return msg.continue_response_headers(extra)
+        read_body = None
+        readable = stream.decision is not None and stream.reads_response_id and not self.leases.breaker.is_open
+        if readable and 200 <= stream.status < 300:
+            event_stream = headers.get("content-type", "").startswith("text/event-stream")
+            if not headers.get("content-encoding"):  # a compressed body is not read: no chain recorded
+                stream.reader = ResponseIdReader(event_stream)
+                read_body = "STREAMED" if event_stream else "BUFFERED"
+        return msg.continue_response_headers(extra, read_body)
+
+    async def _on_response_body(self, stream: StreamState, request: ProcessingRequest) -> ProcessingResponse:
+        """Only /v1/responses answers come here: record the response id once it is seen."""
+        reader = stream.reader
+        if reader is not None and not reader.done:
+            response_id = reader.feed(request.response_body.body, request.response_body.end_of_stream)
+            if response_id is not None:
+                await self._record_chain(stream, response_id)
+        return msg.continue_response_body()
+
+    async def _record_chain(self, stream: StreamState, response_id: str) -> None:
+        """Before the client can see the id: so a next turn through any instance finds it."""
+        provider = stream.decision.provider.name if stream.stores_response else None
+        try:
+            await self.chains.record(stream.model, stream.identity, response_id, ChainLink(stream.session_id, provider))
+            metrics.CHAINS_RECORDED.inc()
+        except RedisError as exc:
+            self.leases.breaker.record_failure(exc)
+            log.warning("response chain not recorded (redis): %s", exc)
 
     def _end_stream(self, stream: StreamState) -> None:
         """Hand the stream's end to the lease table (idempotent), whichever way it ended."""
@@ -240,6 +308,34 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
         metrics.REJECTIONS.labels(exc.code).inc()
         return msg.immediate_json(exc.status, msg.openai_error_body(exc.message, exc.error_type, exc.code, exc.param))
 
+    def _answer_models(self, stream: StreamState) -> ProcessingResponse:
+        """`GET /v1/models` (and `/v1/models/<id>`) from the configuration, in OpenAI's shape."""
+        if stream.method != "GET":
+            raise RequestError(405, f"method {stream.method[:20]!r} is not allowed here: use GET", "method_not_allowed")
+        path = stream.path.split("?", 1)[0].rstrip("/")
+        if path == MODELS_PATH:
+            return msg.immediate_json(200, self._model_list)
+        model = path.removeprefix(MODELS_PATH + "/")
+        if path.startswith(MODELS_PATH + "/") and model in self.models:
+            return msg.immediate_json(200, msg.model_body(model, self._model_list))
+        raise RequestError(404, f"the model '{model[:200]}' does not exist", "model_not_found", param="model")
+
+    def _reject_chained(self, request: RoutingRequest, response_id: str | None) -> ProcessingResponse:
+        """A turn continuing a response stored on a provider that cannot take it now: a clear
+        error, never a silent 404 from a provider that does not hold the response."""
+        provider = request.required_provider
+        configured = any(p.name == provider for p in self.config.providers_for(request.model))
+        degraded = not configured or self.leases.router.provider_is_degraded(self.config.provider(provider), request.model)
+        state = "unavailable (degraded or drained)" if degraded else "at capacity"
+        message = (
+            f"the previous response '{(response_id or '')[:100]}' is stored on provider {provider}, which is {state}: "
+            "retry later, or start a new chain without previous_response_id"
+        )
+        metrics.REJECTIONS.labels("previous_response_unavailable").inc()
+        status, error_type = (503, "service_unavailable") if degraded else (429, "rate_limit_error")
+        body = msg.openai_error_body(message, error_type, "previous_response_unavailable", "previous_response_id")
+        return msg.immediate_json(status, body, {"retry-after": str(self.config.server.retry_after_seconds)})
+
     def _reject_routing(self, rejection: Rejection, model: str) -> ProcessingResponse:
         metrics.REJECTIONS.labels(rejection.kind.value).inc()
         if rejection.kind is RejectionKind.UNSUPPORTED:
@@ -251,6 +347,11 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
             return msg.immediate_json(429, body, headers)
         body = msg.openai_error_body(rejection.message, "service_unavailable", "no_provider_available")
         return msg.immediate_json(503, body, headers)
+
+
+def _is_models_path(path: str) -> bool:
+    path = path.split("?", 1)[0].rstrip("/")
+    return path == MODELS_PATH or path.startswith(MODELS_PATH + "/")
 
 
 class Gateway:

@@ -3,7 +3,12 @@ printing for each request the provider that served it and why.
 
 What it shows: a new session pins to the first own provider and stays (its prefix cache hits
 grow); a burst beyond the session's in-flight slots is offloaded once while the pin stays; an
-operator drain moves the session by compare-and-swap repin.
+operator drain moves the session by compare-and-swap repin; a Responses API conversation chained
+by `previous_response_id` stays on the provider that stores its responses.
+
+Each user has an API key of their own: with no authenticating filter in front of the demo, the
+key is the client's identity (the router hashes it, keyed, before it removes it), so users with
+the same opening message still get sessions of their own.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ class Conversation:
 
     def __init__(self, base_url: str, user: str):
         self.user = user
-        self.client = OpenAI(base_url=f"{base_url}/v1", api_key="demo", default_headers={"x-user-id": user}, max_retries=0)
+        self.client = OpenAI(base_url=f"{base_url}/v1", api_key=f"demo-key-{user}", max_retries=0)
         self.messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"Hello, I am {user}."}]
         self.turns = 0
 
@@ -47,6 +52,29 @@ class Conversation:
     def advance(self, answer: str = "ok") -> None:
         self.turns += 1
         self.messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": f"And then, step {self.turns + 1}?"}]
+
+
+def responses_conversation(base_url: str, user: str, turns: int = 4) -> list[tuple[str, str]]:
+    """A Responses API conversation: each turn sends only its new input and the previous
+    response's id; print who served it and why. Returns (provider, reason) per turn."""
+    client = OpenAI(base_url=f"{base_url}/v1", api_key=f"demo-key-{user}", max_retries=0)
+    previous, seen = None, []
+    for turn in range(turns):
+        chained = {"previous_response_id": previous} if previous else {"instructions": SYSTEM}
+        raw = client.responses.with_raw_response.create(
+            model=MODEL, input=f"Step {turn + 1}, please.", max_output_tokens=12, **chained
+        )
+        response = raw.parse()
+        provider, reason = raw.headers.get("x-iris-provider", "?"), raw.headers.get("x-iris-route-reason", "?")
+        cached = response.usage.input_tokens_details.cached_tokens
+        after = f"after {previous[:13]}" if previous else "new chain"
+        print(
+            f"  {user:<6} {'response ' + str(turn + 1):<14} -> {provider:<8} {reason:<10}"
+            f" input {response.usage.input_tokens:>3} tokens, {cached:>3} from prefix cache ({after})"
+        )
+        previous = response.id
+        seen.append((provider, reason))
+    return seen
 
 
 def run_demo(base_url: str, config_path: str) -> list[tuple[str, str]]:
@@ -72,6 +100,9 @@ def run_demo(base_url: str, config_path: str) -> list[tuple[str, str]]:
     time.sleep(1.5)
     seen.append(alice.ask("after undrain"))
     print("alice stays on her new pin: moving back would throw away the prefix cache.")
+
+    print("A Responses API conversation chained by previous_response_id: one session, on the provider storing it.")
+    seen += responses_conversation(base_url, "dana")
     return seen
 
 

@@ -15,6 +15,12 @@ Model of the work:
   when they share the whole prefix up to the end of block *i*. Only full blocks are cached, in an
   LRU of ``cache_blocks`` keys. ``cached_tokens`` is the number of leading blocks found, times
   ``block_tokens``.
+* ``/v1/responses`` keeps stored responses in process memory, as vLLM and SGLang do: a turn
+  with a ``previous_response_id`` this deployment did not produce (or did not store: ``store:
+  false``) gets a 404 ``previous_response_not_found``, so a gateway that sends a chained turn to
+  the wrong provider fails visibly. A chained turn's prompt is the stored transcript (prompts and
+  answers so far) followed by its new input; a ``conversation`` id keeps a transcript the same
+  way, made on first use.
 * The answer has ``max_tokens`` words ``tok0 tok1 ...``, ready after ``ttft_ms + prefill +
   n * per_token_ms`` milliseconds, where ``prefill = uncached prompt tokens * prefill_ms_per_token``
   (0 by default: prefix-cache hits then cost nothing extra); a streamed answer sends its first
@@ -134,6 +140,7 @@ class SimulatorState:
     health_checks: int = 0
     health_checks_failed: int = 0
     health_checks_failed_by_client: dict[str, int] = field(default_factory=dict)
+    responses_stored: int = 0
 
     def request_started(self, headers: Iterable[tuple[str, str]]) -> _Exchange:
         """Count a request whose handler starts, remembering its headers."""
@@ -187,6 +194,7 @@ class SimulatorState:
             "health_checks": self.health_checks,
             "health_checks_failed": self.health_checks_failed,
             "health_checks_failed_by_client": dict(self.health_checks_failed_by_client),
+            "responses_stored": self.responses_stored,
         }
 
 
@@ -474,6 +482,54 @@ class _CompletionsApi:
         }
 
 
+class ResponseStore:
+    """The Responses-API state of one deployment: the transcript (prompt and answer text) of each
+    stored response and of each conversation, the oldest dropped beyond `capacity` entries."""
+
+    def __init__(self, capacity: int = 100_000):
+        self.capacity = capacity
+        self.responses: OrderedDict[str, str] = OrderedDict()
+        self.conversations: OrderedDict[str, str] = OrderedDict()
+
+    def context(self, body: dict[str, Any]) -> str:
+        """The transcript a request continues ("" for none). Raises _ApiError (404) for a
+        previous response this deployment does not hold."""
+        previous = body.get("previous_response_id")
+        if previous is not None:
+            if not isinstance(previous, str) or previous not in self.responses:
+                raise _ApiError(
+                    404, f"Previous response with id '{str(previous)[:100]}' not found.",
+                    "invalid_request_error", "previous_response_not_found",
+                )
+            return self.responses[previous]
+        conversation = _conversation_id(body)
+        return self.conversations.get(conversation, "") if conversation else ""
+
+    def keep(self, body: dict[str, Any], response_id: str, transcript: str) -> bool:
+        """Store the response unless `store` is false, and the conversation's transcript.
+        Returns whether the response was stored."""
+        conversation = _conversation_id(body)
+        if conversation:
+            self._put(self.conversations, conversation, transcript)
+        if body.get("store") is False:
+            return False
+        self._put(self.responses, response_id, transcript)
+        return True
+
+    def _put(self, entries: OrderedDict[str, str], key: str, value: str) -> None:
+        entries[key] = value
+        entries.move_to_end(key)
+        while len(entries) > self.capacity:
+            entries.popitem(last=False)
+
+
+def _conversation_id(body: dict[str, Any]) -> str | None:
+    value = body.get("conversation")
+    if isinstance(value, dict):
+        value = value.get("id")
+    return value if isinstance(value, str) and value else None
+
+
 class _ResponsesApi:
     """``POST /v1/responses``: a minimal Responses-API answer, with its own usage shape and
     (when streamed) ``response.created`` / ``response.output_text.delta`` / ``response.completed``
@@ -599,6 +655,7 @@ class _Service:
         self.faults = _FaultInjector()
         self.healthy = True
         self.waiting: dict[str, float] = {}
+        self.store = ResponseStore()
 
     # -- inference --------------------------------------------------------------------------
 
@@ -670,7 +727,12 @@ class _Service:
         exchange: _Exchange,
         drop: bool,
     ) -> web.StreamResponse:
-        gen = self._start_generation(api, body)
+        context = self.store.context(body) if isinstance(api, _ResponsesApi) else ""
+        gen = self._start_generation(api, body, context)
+        if isinstance(api, _ResponsesApi):
+            prompt = (context + "\n" + api.prompt(body)) if context else api.prompt(body)
+            if self.store.keep(body, gen.id, prompt + "\n" + gen.text()):
+                self.state.responses_stored += 1
         if body.get("stream") is True:
             return await self._stream(api, gen, request, exchange, drop)
         if drop:
@@ -688,9 +750,10 @@ class _Service:
         uncached = gen.prompt_tokens - gen.cached_tokens
         return self.config.ttft_ms + uncached * self.config.prefill_ms_per_token
 
-    def _start_generation(self, api: _GenerationApi, body: dict[str, Any]) -> _Generation:
-        """Parse the prompt, look it up in the prefix cache and count its tokens."""
-        words = api.prompt(body).split()
+    def _start_generation(self, api: _GenerationApi, body: dict[str, Any], context: str = "") -> _Generation:
+        """Parse the prompt (after `context`, the transcript a Responses turn continues), look it
+        up in the prefix cache and count its tokens."""
+        words = context.split() + api.prompt(body).split()
         max_tokens = _max_tokens(body, api.max_token_fields, self.config.default_max_tokens)
         cached = self.cache.lookup_and_insert(words)
         self.state.prompt_tokens += len(words)

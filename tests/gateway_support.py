@@ -28,6 +28,9 @@ def gateway_config(**overrides) -> dict:
     config = {
         "lease_timeout_seconds": 30,
         "redis": {"key_prefix": "e2e"},
+        # The tests stand in for an authenticating filter: their x-user-id is the trusted identity
+        # (envoy.yaml strips only x-iris-user, the example config's trusted header).
+        "session": {"trusted_identity_headers": ["x-user-id"]},
         "server": {"expose_routing_headers": True, "max_body_bytes": 16 * 1024 * 1024},
         "providers": [
             {"name": "iris-1", "kind": "managed", "cluster": "iris-1",

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from extproc.adaptation import CredentialError, RequestAdapter
-from extproc.config import parse_config
+from extproc.config import DEFAULT_PRIVATE_HEADERS, parse_config
 from extproc.envoy_messages import route_to_cluster
 from irislab import envoy_config
 from irislab.local_gateway import LocalGateway, ProviderSimulation
@@ -46,7 +46,7 @@ def test_model_is_renamed_and_the_key_set_for_the_chosen_provider_only(tmp_path)
     third = adapter.adapt(config.provider("tensorx"), "m", body)
     assert orjson.loads(third.body) == {**body, "model": "vendor/m-large"}
     assert third.set_headers == {"authorization": "Bearer sk-123"}
-    assert third.remove == ["api-key", "x-api-key"]
+    assert third.remove == ["api-key", "x-api-key", *DEFAULT_PRIVATE_HEADERS]  # a third party: identity headers too
     own = adapter.adapt(config.provider("iris-1"), "m", body)
     assert (own.body, own.set_headers, own.remove) == (None, {}, ["authorization", "api-key", "x-api-key"])
     assert "sk-123" not in repr(third)
@@ -68,7 +68,7 @@ def test_key_from_a_file_in_a_configured_header(tmp_path):
     config = adapter_config(tmp_path, api_key_file=str(key_file), header="api-key")
     change = RequestAdapter(config, environ={}).adapt(config.provider("tensorx"), "m", {"model": "m"})
     assert change.set_headers == {"api-key": "file-key"}
-    assert change.remove == ["authorization", "x-api-key"]
+    assert change.remove == ["authorization", "x-api-key", *DEFAULT_PRIVATE_HEADERS]
 
 
 @pytest.mark.parametrize(
@@ -113,6 +113,7 @@ def test_example_third_party_cluster_is_valid_for_the_shipped_envoy(tmp_path):
 def adaptation_config(key_file) -> dict:
     return {
         "redis": {"key_prefix": "adapt"},
+        "session": {"trusted_identity_headers": ["x-user-id"]},  # the test stands in for an authenticating filter
         "server": {"expose_routing_headers": True},
         "providers": [
             {"name": "iris-1", "kind": "managed", "cluster": "iris-1",

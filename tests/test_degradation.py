@@ -34,6 +34,7 @@ def health_check() -> dict:
 def degradation_config() -> dict:
     return {
         "redis": {"key_prefix": "deg"},
+        "session": {"trusted_identity_headers": ["x-user-id"]},  # the test stands in for an authenticating filter
         "server": {"expose_routing_headers": True, "degraded_refresh_seconds": 0.1},
         "degradation": {"passive": {"failures": 3, "window_seconds": 30, "cooldown_seconds": 60}},
         "providers": [

@@ -7,8 +7,11 @@ import subprocess
 from urllib.parse import urlsplit
 
 import yaml
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
+from google.protobuf.json_format import ParseDict
 
 from extproc.config import load_config
+from extproc.envoy_messages import processing_mode
 from irislab import envoy_config
 from irislab.processes import envoy_binary
 from tests.conftest import ROOT
@@ -85,3 +88,32 @@ def test_compose_gives_the_third_party_key_to_the_router_and_the_simulated_provi
     assert command[command.index("--api-key-env") + 1] == variable
     served = command[command.index("--model") + 1:]
     assert [entry.upstream_model or model for model, entry in tensorx.models.items()] == served
+
+
+def _ext_proc_filter(bootstrap: dict) -> dict:
+    manager = bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    return next(f for f in manager["http_filters"] if f["name"] == "envoy.filters.http.ext_proc")["typed_config"]
+
+
+def test_envoy_strips_every_trusted_identity_header_before_any_filter_runs():
+    config = load_config(EXAMPLE)
+    bootstrap = envoy_config.load_envoy_yaml(ENVOY)
+    manager = bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    early = manager["early_header_mutation_extensions"][0]["typed_config"]["mutations"]
+    removed = {m["remove"] for m in early}
+    assert config.session.trusted_identity_headers and set(config.session.trusted_identity_headers) <= removed
+
+
+def test_the_only_mode_overrides_allowed_are_the_servers_response_body_reads():
+    ext_proc = _ext_proc_filter(envoy_config.load_envoy_yaml(ENVOY))
+    assert ext_proc["allow_mode_override"] is True
+    configured = ParseDict(ext_proc["processing_mode"], ProcessingMode())
+    assert configured == processing_mode("NONE")
+    allowed = [ParseDict(mode, ProcessingMode()) for mode in ext_proc["allowed_override_modes"]]
+    assert allowed == [processing_mode("BUFFERED"), processing_mode("STREAMED")]
+
+
+def test_example_config_serves_responses_on_every_own_provider():
+    config = load_config(EXAMPLE)
+    chat = [p for p in config.providers if any("chat" in m.features for m in p.models.values())]
+    assert all(any("responses" in m.features for m in p.models.values()) for p in chat)

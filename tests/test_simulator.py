@@ -219,6 +219,24 @@ async def test_responses_api_plain_and_streamed() -> None:
 
 
 @pytest.mark.asyncio
+async def test_stored_responses_chain_here_only_and_an_unknown_one_is_a_404() -> None:
+    first = {"model": MODEL, "input": "a b c d", "max_output_tokens": 2}
+    async with running(block_tokens=2) as (_, http), running() as (_, elsewhere):
+        _, one = await post(http, "/v1/responses", first)
+        status, two = await post(http, "/v1/responses", {**first, "input": "e f", "previous_response_id": one["id"]})
+        assert status == 200 and two["usage"]["input_tokens"] == 4 + 2 + 2  # stored prompt, answer, new input
+        assert two["usage"]["input_tokens_details"]["cached_tokens"] == 4
+        status, missing = await post(elsewhere, "/v1/responses", {**first, "previous_response_id": one["id"]})
+        assert (status, missing["error"]["code"]) == (404, "previous_response_not_found")
+        _, unstored = await post(http, "/v1/responses", {**first, "store": False})
+        status, _ = await post(http, "/v1/responses", {**first, "previous_response_id": unstored["id"]})
+        assert status == 404
+        for _ in range(2):
+            status, _ = await post(http, "/v1/responses", {**first, "conversation": {"id": "conv_1"}})
+        assert status == 200 and (await stats(http))["responses_stored"] == 4
+
+
+@pytest.mark.asyncio
 async def test_max_in_flight_counts_concurrent_requests() -> None:
     async with running(ttft_ms=200) as (simulator, http):
         results = await asyncio.gather(
