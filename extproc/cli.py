@@ -17,7 +17,7 @@ import sys
 
 from extproc.config import Config, ConfigError, load_config
 from extproc.degraded import DEFAULT_MANUAL_TTL_SECONDS, MANUAL, DegradedFlags
-from extproc.state import connect
+from extproc.redis_client import open_redis
 
 log = logging.getLogger("iris-extproc")
 
@@ -141,7 +141,7 @@ def _set_manual_flags(args, drain: bool) -> int:
 
     async def run():
         config = load_config(args.config)
-        redis = connect(config.redis.url, config.redis.socket_timeout_seconds)
+        redis = open_redis(config.redis)
         try:
             flags = DegradedFlags(redis, config)
             for provider, model in _pairs(flags, config, args.provider, args.model):
@@ -164,7 +164,7 @@ def _status(args) -> int:
 
     async def run():
         config = load_config(args.config)
-        redis = connect(config.redis.url, config.redis.socket_timeout_seconds)
+        redis = open_redis(config.redis)
         try:
             flags = await DegradedFlags(redis, config).describe()
         finally:

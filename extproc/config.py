@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import os
+import re
 from collections import Counter
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -170,15 +171,49 @@ class Provider(_Strict):
         return entry.limits if entry else None
 
 
+REDIS_NODE_PATTERN = r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):[0-9]{1,5}$"
+
+
+class RedisClusterSettings(_Strict):
+    """A Redis Cluster: one or more seed nodes (`host:port`); the client learns every other node
+    and the slot map from them, and follows MOVED / ASK redirections itself."""
+
+    nodes: list[str] = Field(min_length=1)
+
+
+class RedisSentinelSettings(_Strict):
+    """A primary with replicas watched by Redis Sentinel: the sentinels (`host:port`) and the
+    service name they know the primary by (`sentinel monitor <service_name> ...`). The client asks
+    the sentinels for the primary and asks again after a failover. `password_env`: the
+    environment variable holding the sentinels' own password (their `requirepass`), if any."""
+
+    sentinels: list[str] = Field(min_length=1)
+    service_name: str = Field(min_length=1)
+    password_env: str | None = Field(default=None, min_length=1)
+
+
 class RedisSettings(_Strict):
     """Where the shared routing state lives, and what happens while it is gone. Timeouts in
     seconds. `outage_policy` (README "When Redis is gone"): `degrade` sends new traffic to pairs
     without an in-flight limit only, `local_share` also lets each instance hold up to its share of
     a managed pair (every lease it holds there counts), `fail_closed` answers 503. The breaker
     opens after `breaker_failures_in_a_row` failed Redis calls in a row (a call that found the
-    connection pool busy is load, not a failure, and does not count)."""
+    connection pool busy is load, not a failure, and does not count).
 
-    url: str = "redis://127.0.0.1:6379/0"
+    One topology: a standalone Redis at `url` (`redis://` or `rediss://` for TLS, with
+    `user:password@` if wanted), a Redis Cluster (`cluster`), or a primary behind Sentinel
+    (`sentinel`). `username` and `password_env` (an environment variable, never the password
+    itself) authenticate to the data nodes of any topology; `tls` turns TLS on for cluster and
+    sentinel (a standalone URL says it with `rediss://`), verified against `tls_ca_file` or the
+    system's certificates."""
+
+    url: str = Field(default="redis://127.0.0.1:6379/0", pattern=r"^rediss?://")
+    cluster: RedisClusterSettings | None = None
+    sentinel: RedisSentinelSettings | None = None
+    username: str | None = Field(default=None, min_length=1)
+    password_env: str | None = Field(default=None, min_length=1)
+    tls: bool = False
+    tls_ca_file: str | None = Field(default=None, min_length=1)
     key_prefix: str = Field(default="iris", pattern=r"^[A-Za-z0-9._:-]+$")
     socket_timeout_seconds: float = Field(default=0.5, gt=0)
     max_connections: int = Field(default=64, gt=0)
@@ -339,6 +374,7 @@ def _cross_field_problems(config: Config) -> list[str]:
             problems.extend(_limit_problems(at, provider.kind, entry.limits))
         problems.extend(_provider_extension_problems(f"providers[{i}]", provider))
     problems.extend(_session_problems(config))
+    problems.extend(_redis_problems(config.redis))
     return problems
 
 
@@ -356,6 +392,21 @@ def _session_problems(config: Config) -> list[str]:
     )
     if clash:
         problems.append(f"session.trusted_identity_headers: {sorted(clash)} cannot carry an identity")
+    return problems
+
+
+def _redis_problems(redis: RedisSettings) -> list[str]:
+    """One topology only; node addresses are `host:port`."""
+    problems = []
+    if redis.cluster is not None and redis.sentinel is not None:
+        problems.append("redis: set only one of cluster or sentinel")
+    if "url" in redis.model_fields_set and (redis.cluster is not None or redis.sentinel is not None):
+        problems.append("redis.url: a standalone URL cannot be combined with redis.cluster or redis.sentinel")
+    for at, nodes in (("redis.cluster.nodes", redis.cluster and redis.cluster.nodes),
+                      ("redis.sentinel.sentinels", redis.sentinel and redis.sentinel.sentinels)):
+        for i, node in enumerate(nodes or []):
+            if not re.match(REDIS_NODE_PATTERN, node) or not 0 < int(node.rsplit(":", 1)[1]) < 65536:
+                problems.append(f"{at}[{i}]: {node!r} is not host:port")
     return problems
 
 

@@ -12,9 +12,9 @@ never ends an operator's drain):
 A flag is a Redis string ``{prefix:model}:degraded:<provider>:<source>`` whose value says why (for
 example `manual: drained by ops`) and whose TTL bounds how long it holds without being renewed.
 Routing reads a local snapshot that `refresh` (run every `server.degraded_refresh_seconds` by
-`run_refresher`) reloads with one pipelined round trip (one MGET per model: a model's keys share
-one hash slot), so the hot path never waits on it and all proxies agree within one refresh
-interval.
+`run_refresher`) reloads with one pipelined round trip (one GET per flag: no command spans two
+keys, so a Redis Cluster splits the pipeline per node, one round trip each), so the hot path never
+waits on it and all proxies agree within one refresh interval.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ class DegradedFlags:
             if p.kind is ProviderKind.MANAGED
             for model in p.models
         ]
-        # Per model: the (provider, source) of each of its flag keys, in one MGET's order.
+        # Per model: the (provider, source) of each of its flag keys.
         self._by_model: dict[str, list[tuple[str, str]]] = {}
         for provider, model in self._pairs:
             self._by_model.setdefault(model, []).extend((provider, source) for source in SOURCES)
@@ -128,16 +128,15 @@ class DegradedFlags:
         a local `set` or `clear` finished is dropped (it may predate the write), so this instance
         never un-sees its own flag. Raises RedisError."""
         writes = self._writes
-        models = list(self._by_model)
+        flag_keys = [(model, provider, source) for model, pairs in self._by_model.items() for provider, source in pairs]
         async with self.redis.pipeline(transaction=False) as pipe:
-            for model in models:
-                pipe.mget([self.keys.degraded(model, p, s) for p, s in self._by_model[model]])
+            for model, provider, source in flag_keys:
+                pipe.get(self.keys.degraded(model, provider, source))
             replies = await pipe.execute()
         flags: dict[tuple[str, str], dict[str, str]] = {}
-        for model, values in zip(models, replies):
-            for (provider, source), value in zip(self._by_model[model], values):
-                if value is not None:
-                    flags.setdefault((provider, model), {})[source] = _text(value)
+        for (model, provider, source), value in zip(flag_keys, replies):
+            if value is not None:
+                flags.setdefault((provider, model), {})[source] = _text(value)
         if self._writes == writes:
             self._flags = flags
         return self.reasons()

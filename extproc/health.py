@@ -34,6 +34,7 @@ from redis.exceptions import RedisError
 
 from extproc.config import Config, HealthCheck, LoadGauge, Provider, ProviderKind
 from extproc.degraded import HEALTH, LOAD, PASSIVE, DegradedFlags
+from extproc.redis_client import LuaScript
 from extproc.state import Keyspace, script_source
 
 log = logging.getLogger(__name__)
@@ -118,7 +119,7 @@ class HealthMonitor:
         self.keys = Keyspace(config.redis.key_prefix)
         self.passive = config.degradation.passive
         self._ttl_intervals = config.degradation.flag_ttl_intervals
-        self._record = redis.register_script(script_source("upstream_failure"))
+        self._record = LuaScript(script_source("upstream_failure"))
         self._managed = {p.name for p in config.providers if p.kind is ProviderKind.MANAGED}
         self._tasks: set[asyncio.Task] = set()
         self._http: aiohttp.ClientSession | None = None
@@ -164,7 +165,7 @@ class HealthMonitor:
         args = [uuid.uuid4().hex, round(passive.window_seconds * 1000), passive.failures,
                 round(passive.cooldown_seconds * 1000), reason]
         try:
-            degraded, _ = await self._record(keys=keys, args=args)
+            degraded, _ = await self._record(self.redis, keys, args)
         except RedisError as exc:
             log.warning("upstream failure of %s %s not recorded: %s", provider, model, exc)
             return False

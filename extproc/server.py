@@ -40,9 +40,10 @@ from extproc.health import HealthMonitor
 from extproc.lease_table import Held, LeaseTable, Refusal
 from extproc.openai_request import MODELS_PATH, ParsedRequest, RequestError, feature_for_path, parse_request
 from extproc.outage import InstanceRegistry, OutagePolicy, RedisBreaker
+from extproc.redis_client import open_redis
 from extproc.routing import Decision, Rejection, RejectionKind, Router, RoutingRequest
 from extproc.sessions import HeaderSignals, SessionKeys, previous_response_id
-from extproc.state import RoutingState, connect
+from extproc.state import RoutingState
 
 log = logging.getLogger(__name__)
 
@@ -359,7 +360,7 @@ class Gateway:
 
     def __init__(self, config: Config, secret: bytes):
         self.config = config
-        self.redis = connect(config.redis.url, config.redis.socket_timeout_seconds, config.redis.max_connections)
+        self.redis = open_redis(config.redis)
         self.state = RoutingState(self.redis, config)
         self.degraded = DegradedFlags(self.redis, config)
         self.router = Router(config, self.state, self.degraded)

@@ -16,12 +16,10 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from redis.asyncio import BlockingConnectionPool, Redis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError
 
 from extproc.config import Config, Provider
+from extproc.redis_client import LuaScript, RedisClient, connect  # noqa: F401 (connect: re-exported)
 from extproc.resources import lua_folder
 
 NO_LIMIT = -1
@@ -146,28 +144,6 @@ class Keyspace:
         return f"{self.tag(model)}:failures:{provider}"
 
 
-def connect(url: str, timeout_seconds: float = 0.5, max_connections: int = 64) -> Redis:
-    """An asyncio Redis client whose pool waits (up to `timeout_seconds`, seconds) for a free
-    connection instead of failing when `max_connections` are busy. Commands time out after
-    `timeout_seconds` too, so a dead Redis costs a request at most that long per round trip.
-
-    A command that meets a broken connection (a pooled connection to a Redis that restarted) is
-    retried once on a new one: every script is idempotent (admissions replay by lease id). A
-    timeout is not retried (redis-py's default would retry it once, so one slow reply cost twice
-    the timeout). A pool with no free connection within the timeout raises
-    redis.exceptions.ConnectionError "No connection available." (see `is_pool_exhausted`)."""
-    pool = BlockingConnectionPool.from_url(
-        url,
-        max_connections=max_connections,
-        timeout=timeout_seconds,
-        socket_timeout=timeout_seconds,
-        socket_connect_timeout=timeout_seconds,
-        retry=Retry(NoBackoff(), retries=1, supported_errors=(ConnectionError,)),
-        retry_on_error=[ConnectionError],
-    )
-    return Redis(connection_pool=pool)
-
-
 def is_pool_exhausted(error: BaseException) -> bool:
     """Whether `error` is the connection pool's "no free connection within the timeout": load on
     this process, not a sign that Redis is gone (redis-py raises ConnectionError for both)."""
@@ -201,12 +177,13 @@ def new_id() -> str:
 
 class RoutingState:
     """The spec's ROUTING_STATE over Redis. Every method is one atomic script call (one round
-    trip); NOSCRIPT after a restart or `SCRIPT FLUSH` is recovered by reloading the script.
+    trip); NOSCRIPT after a restart, a failover or `SCRIPT FLUSH` is recovered by EVAL of the
+    script on the node that answered (extproc.redis_client.LuaScript).
 
     `now_ms` arguments are test-only. Raises redis.exceptions.RedisError on connection problems.
     """
 
-    def __init__(self, redis: Redis, config: Config, *, sources: Mapping[str, str] | None = None):
+    def __init__(self, redis: RedisClient, config: Config, *, sources: Mapping[str, str] | None = None):
         """`sources` (test-only) replaces the source of named scripts, for example with a
         deliberately broken one in a mutation check."""
         self.redis = redis
@@ -214,7 +191,7 @@ class RoutingState:
         self.keys = Keyspace(config.redis.key_prefix)
         sources = sources or {}
         self._scripts = {
-            name: redis.register_script(sources.get(name) or script_source(name)) for name in SCRIPT_NAMES
+            name: LuaScript(sources.get(name) or script_source(name)) for name in SCRIPT_NAMES
         }
         self._timing = [
             round(config.pin_inactivity_timeout_seconds * 1000),
@@ -235,7 +212,7 @@ class RoutingState:
     async def load_scripts(self) -> None:
         """Load every script into the Redis script cache (optional: calls load on demand)."""
         for script in self._scripts.values():
-            script.sha = await self.redis.script_load(script.script)
+            await script.load(self.redis)
 
     async def get_pin(self, model: str, session_id: str, *, now_ms: int | None = None) -> Pin | None:
         """The spec's get_pin: the session's live pin, or None."""
@@ -377,7 +354,7 @@ class RoutingState:
         else:
             args = ["" if now_ms is None else now_ms, *self._timing, 0]
         keys += extra_keys
-        return await self._scripts[script](keys=keys, args=args)
+        return await self._scripts[script](self.redis, keys, args)
 
 
 def _limits_args(model: str, providers: list[Provider]) -> list[object]:

@@ -122,12 +122,14 @@ class LocalGateway:
         return f"http://127.0.0.1:{self.providers[name].port}"
 
     def start(self) -> None:
-        """Start Redis (unless `redis_url` was given), the providers, then each instance."""
-        if self.redis_url is None:
-            self.redis = start_redis(self.work_dir / "redis")
-            self.redis_url = f"redis://127.0.0.1:{self.redis.port}/0"
+        """Start Redis (unless `redis_url` was given, or the config names a Redis Cluster or
+        Sentinel: those are used as they are), the providers, then each instance."""
         data = yaml.safe_load(EXAMPLE_CONFIG.read_text()) if self.config_data is None else self.config_data
         self.config = parse_config(data)
+        external = self.config.redis.cluster is not None or self.config.redis.sentinel is not None
+        if self.redis_url is None and not external:
+            self.redis = start_redis(self.work_dir / "redis")
+            self.redis_url = f"redis://127.0.0.1:{self.redis.port}/0"
         for provider in self.config.providers:
             self.providers[provider.name] = self._start_simulator(provider.name)
         for index in range(self.instances):
@@ -210,7 +212,9 @@ class LocalGateway:
     def _start_instance(self, index: int, data: dict[str, Any]) -> Instance:
         grpc_port, listener_port, admin_port = free_port(), free_port(), free_port()
         config = dict(data)
-        config["redis"] = {**data.get("redis", {}), "url": self.redis_url}
+        config["redis"] = {**data.get("redis", {})}
+        if self.redis_url is not None:
+            config["redis"]["url"] = self.redis_url
         config["server"] = {**data.get("server", {}), "listen": f"127.0.0.1:{grpc_port}"}
         config["providers"] = self._checks_on_simulators(data, index)
         config_path = self.work_dir / f"routing-{index}.yaml"

