@@ -167,9 +167,7 @@ FAILOVER_LIMITS = {
     "global_in_flight_request_slots_reserved_for_pinned_sessions": 2,
     "max_per_session_in_flight_request_slots": 2,
 }
-# Renewals every 3 s; a lease is given up after two failed renewals in a row (extproc.leases), so
-# the lease timeout must exceed 1.5 x the failover time (here 2-3 s).
-LEASE_TIMEOUT_SECONDS = 9.0
+LEASE_TIMEOUT_SECONDS = 9.0  # renewals every 3 s: the 6 s streams renew across the failover
 
 
 def failover_gateway(work_dir, redis_section: dict, probe_model: str) -> LocalGateway:
@@ -287,12 +285,11 @@ def run_failover(gateway: LocalGateway, kill, wait_for_failover, client, probe_m
         time.sleep(0.1)
     assert live_leases(client()) == 0
     limit = FAILOVER_LIMITS["max_global_in_flight_request_slots"]
-    unreserved = limit - FAILOVER_LIMITS["global_in_flight_request_slots_reserved_for_pinned_sessions"]
     peaks = {name: provider_stats(gateway, name)["max_in_flight_by_model"].get(MODEL, 0) for name in ("iris-1", "iris-2")}
-    # The README's promise: during the failover a pair may carry its limit plus the unreserved
-    # slots (requests admitted in Redis before it, plus the local budgets of the outage policy).
+    # The README's promise under `degrade`: a managed pair takes nothing new without Redis, so it
+    # stays within its limit (on loopback the replication-lag window holds no admission).
     for provider, peak in peaks.items():
-        assert peak <= limit + unreserved, (provider, peak)
+        assert peak <= limit, (provider, peak)
     figures = {
         "failover_seconds": round(failover_seconds, 2),
         "degraded_seconds_per_instance": degraded_seconds(probes, killed_at, len(gateway.running)),
