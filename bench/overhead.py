@@ -15,6 +15,10 @@ parsed body to decision, its Redis round trip included) gives the mean decision 
 part of the added latency that the routing itself (rather than the ext_proc messages) costs.
 
     python -m bench.overhead --rates 50,200,500 --seconds 20 --json out/overhead.json --plot-dir docs
+
+`--workers 2` runs `serve --workers 2`; the ext_proc CPU then sums the supervisor and its workers.
+With one Envoy thread there is one ext_proc connection, which stays on one worker:
+`--envoy-concurrency 2` gives Envoy two threads and so two connections for the kernel to spread.
 """
 
 from __future__ import annotations
@@ -52,7 +56,9 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     metrics_port = free_port()
     metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
     config = roomy_config(metrics_listen=f"127.0.0.1:{metrics_port}")
-    with LocalGateway(config_data=config, simulations=sims, work_dir=work / "gateway") as gateway:
+    extproc_args = ["--workers", str(args.workers)] if args.workers > 1 else []
+    with LocalGateway(config_data=config, simulations=sims, work_dir=work / "gateway", extproc_args=extproc_args,
+                      envoy_concurrency=args.envoy_concurrency) as gateway:
         upstream = gateway.providers["iris-1"].port
         bootstrap = plain_envoy_bootstrap(free_port(), free_port(), {"iris-1": upstream}, target_cluster="iris-1")
         plain = start_envoy(bootstrap, work, "envoy-plain")
@@ -68,29 +74,35 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 entry: dict[str, Any] = {"rate": rate}
                 for path in PATHS:
                     decided_before = decision_totals(metrics_url)
-                    cpu_before = cpu_seconds(extproc_pid)
+                    cpu_before = tree_cpu_seconds(extproc_pid)
                     entry[path] = run_loadgen(
                         urls[path], work / f"rate-{rate:g}-{path}.json", "--rate", str(rate),
                         "--requests", str(int(rate * args.seconds)), *common, max_seconds=args.seconds,
                     )
                     if path == "gateway":
-                        entry[path]["extproc_cpu_s"] = cpu_seconds(extproc_pid) - cpu_before
+                        entry[path]["extproc_cpu_s"] = tree_cpu_seconds(extproc_pid) - cpu_before
                         seconds, count = (a - b for a, b in zip(decision_totals(metrics_url), decided_before))
                         entry["decision_mean_ms"] = seconds * 1000 / count if count else float("nan")
                 rates.append(entry)
             saturation: dict[str, Any] = {}
             for path in PATHS:
-                cpu_before = cpu_seconds(extproc_pid)
+                cpu_before = tree_cpu_seconds(extproc_pid)
                 saturation[path] = run_loadgen(
                     urls[path], work / f"saturation-{path}.json", "--concurrency", str(args.concurrency),
                     "--requests", str(args.saturation_max_requests), *common, max_seconds=args.saturation_seconds,
                 )
-                saturation[path]["extproc_cpu_s"] = cpu_seconds(extproc_pid) - cpu_before
+                saturation[path]["extproc_cpu_s"] = tree_cpu_seconds(extproc_pid) - cpu_before
         finally:
             plain.stop()
     arguments = vars(args) | {"plot_dir": str(args.plot_dir), "json": str(args.json)}
     return {"machine": machine_description(), "args": arguments,
             "rates": rates, "saturation": saturation}
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU seconds of the ext_proc server: the process and, with --workers, its worker children."""
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return cpu_seconds(pid) + sum(cpu_seconds(int(child)) for child in children)
 
 
 def figures(result: dict[str, Any]) -> dict[str, float]:
@@ -185,6 +197,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, default=32, help="closed-loop workers at saturation")
     parser.add_argument("--users", type=int, default=100, help="users (sessions) the requests come from")
     parser.add_argument("--warmup-requests", type=int, default=300)
+    parser.add_argument("--workers", type=int, default=1, help="ext_proc worker processes (serve --workers)")
+    parser.add_argument("--envoy-concurrency", type=int, default=1,
+                        help="Envoy worker threads (each its own ext_proc connection, spread over the workers)")
     parser.add_argument("--tiny", action="store_true", help="a few seconds in all (for the smoke test)")
     parser.add_argument("--json", type=Path, help="write the full result here")
     parser.add_argument("--plot-dir", type=Path, help="write overhead_latency_cdf.png here (needs matplotlib)")

@@ -41,6 +41,8 @@ def _parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="run the ext_proc gRPC server")
     serve.add_argument("--config", required=True)
     serve.add_argument("--event-loop", choices=["uvloop", "asyncio"], default="uvloop")
+    serve.add_argument("--workers", type=int, default=1, help="worker processes sharing the port (SO_REUSEPORT)")
+    serve.add_argument("--worker-index", type=int, default=None, help=argparse.SUPPRESS)
     serve.set_defaults(func=_serve)
 
     up = commands.add_parser("up", help="start a local gateway: Redis, Envoy, ext_proc and simulated providers")
@@ -70,6 +72,18 @@ def _serve(args) -> int:
     from extproc.server import SecretMissing, serve
 
     config = load_config(args.config)
+    if args.workers < 1:
+        print("iris-extproc: --workers must be >= 1", file=sys.stderr)
+        return 2
+    if args.workers > 1 and args.worker_index is None:
+        from extproc.workers import supervise, worker_command
+
+        return supervise(worker_command(args.config, args.event_loop, args.log_level), args.workers)
+    if args.worker_index and config.server.metrics_listen:
+        from extproc.workers import worker_metrics_listen
+
+        server = config.server.model_copy(update={"metrics_listen": worker_metrics_listen(config.server.metrics_listen, args.worker_index)})
+        config = config.model_copy(update={"server": server})
     try:
         run_event_loop(serve(config), args.event_loop)
     except (SecretMissing, CredentialError) as exc:

@@ -374,6 +374,7 @@ class Gateway:
             options=[
                 ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", GRPC_MAX_MESSAGE_BYTES),
+                ("grpc.so_reuseport", 1),  # `serve --workers N` shares the port (grpcio's default on Linux)
             ]
         )
         ext_proc_grpc.add_ExternalProcessorServicer_to_server(self.processor, self.server)

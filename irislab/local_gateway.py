@@ -93,6 +93,8 @@ class LocalGateway:
     redis_url: str | None = None
     env: dict[str, str] = field(default_factory=dict)
     envoy_source: Path = envoy_config.DEFAULT_ENVOY_YAML
+    extproc_args: list[str] = field(default_factory=list)  # more `iris-extproc serve` options, e.g. --workers 2
+    envoy_concurrency: int = 1  # Envoy worker threads: each opens its own ext_proc connection
 
     def __post_init__(self):
         self.work_dir = Path(self.work_dir or tempfile.mkdtemp(prefix="iris-gateway-"))
@@ -221,7 +223,7 @@ class LocalGateway:
         config_path.write_text(yaml.safe_dump(config, sort_keys=False))
         extproc = spawn(
             f"extproc-{index}",
-            [sys.executable, "-m", "extproc.cli", "serve", "--config", str(config_path)],
+            [sys.executable, "-m", "extproc.cli", "serve", "--config", str(config_path), *self.extproc_args],
             self.work_dir,
             env=self.extproc_env(),
         )
@@ -234,7 +236,7 @@ class LocalGateway:
         wait_for_port(grpc_port, process=extproc.popen)
         envoy = spawn(
             f"envoy-{index}",
-            [envoy_binary(), "-c", str(envoy_path), "-l", "warning", "--concurrency", "1", "--disable-hot-restart"],
+            [envoy_binary(), "-c", str(envoy_path), "-l", "warning", "--concurrency", str(self.envoy_concurrency), "--disable-hot-restart"],
             self.work_dir,
         )
         envoy.port = listener_port
