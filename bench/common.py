@@ -425,15 +425,15 @@ ZERO_DELAY = ProviderSimulation(ttft_ms=0, per_token_ms=0, block_tokens=512, cac
 
 
 def decision_totals(metrics_url: str) -> tuple[float, int]:
-    """(sum of seconds, count) of the ext_proc server's `iris_decision_seconds` histogram: the
+    """(sum of seconds, count) of the ext_proc server's `iris_decision_duration_seconds` histogram: the
     time from a parsed request body to its routing decision, Redis round trips included."""
     import httpx
 
     total, count = 0.0, 0
     for line in httpx.get(check_local(metrics_url), timeout=5).text.splitlines():
-        if line.startswith("iris_decision_seconds_sum"):
+        if line.startswith("iris_decision_duration_seconds_sum"):
             total = float(line.split()[-1])
-        elif line.startswith("iris_decision_seconds_count"):
+        elif line.startswith("iris_decision_duration_seconds_count"):
             count = int(float(line.split()[-1]))
     return total, count
 

@@ -4,7 +4,7 @@
     iris-extproc up [--demo]                  a whole local gateway (Redis, Envoy, providers)
     iris-extproc drain PROVIDER [--model M]   mark a provider degraded by hand
     iris-extproc undrain PROVIDER [--model M] clear that mark (automatic flags stay)
-    iris-extproc status                       providers, models, their state and why
+    iris-extproc status [--json]              per pair: in-flight/limit, pins/limit, state and why
 """
 
 from __future__ import annotations
@@ -61,8 +61,9 @@ def _parser() -> argparse.ArgumentParser:
             cmd.add_argument("--reason", default="drained by an operator")
         cmd.set_defaults(func=_drain if name == "drain" else _undrain)
 
-    status = commands.add_parser("status", help="list providers with their state and why")
+    status = commands.add_parser("status", help="per provider and model: in-flight requests and pins against the limits, state and why")
     status.add_argument("--config", required=True)
+    status.add_argument("--json", action="store_true", help="print the fleet state as one JSON document")
     status.set_defaults(func=_status)
     return parser
 
@@ -172,31 +173,60 @@ def _set_manual_flags(args, drain: bool) -> int:
 
 
 def _status(args) -> int:
-    """One line per (provider, model): its state and why. `degraded` (automatic flags only) or
-    `drained` (an operator's flag, whatever else holds); each flag with its source, reason and
-    the seconds it still holds. Unlimited providers are never degraded."""
+    """One line per (provider, model): live request leases and pins against their limits (`-`:
+    no limit), the state (`healthy`, `degraded` by automatic flags, or `drained` while an
+    operator's flag holds) and why, each flag with its source, reason and the time it still
+    holds; then the live proxy instances. Unlimited providers are never degraded. Exit code 1,
+    with one line on stderr, when Redis cannot be read."""
+    from redis.exceptions import RedisError
 
-    async def run():
-        config = load_config(args.config)
+    from extproc.fleet_state import FleetStateReader
+
+    config = load_config(args.config)
+
+    async def read():
         redis = open_redis(config.redis)
         try:
-            flags = await DegradedFlags(redis, config).describe()
+            return await FleetStateReader(config, redis).read()
         finally:
             await redis.aclose()
-        print(f"{'provider':<16}{'kind':<11}{'model':<28}{'state':<10}why")
-        for provider in config.providers_in_priority_order():
-            for model in provider.models:
-                held = flags.get((provider.name, model), [])
-                state = "healthy"
-                if held:
-                    state = "drained" if any(f.source == MANUAL for f in held) else "degraded"
-                why = "; ".join(_flag_text(f) for f in held)
-                if provider.kind.value == "unlimited":
-                    why = "unlimited: never degraded"
-                print(f"{provider.name:<16}{provider.kind.value:<11}{model:<28}{state:<10}{why}".rstrip())
 
-    asyncio.run(run())
+    try:
+        fleet = asyncio.run(read())
+    except RedisError as exc:
+        print(f"iris-extproc: cannot read the routing state from Redis at {_redis_address(config.redis)}: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        import orjson
+
+        print(orjson.dumps(fleet.as_dict(), option=orjson.OPT_INDENT_2).decode())
+        return 0
+    print(f"{'provider':<16}{'kind':<11}{'model':<28}{'in-flight':<11}{'pins':<9}{'state':<10}why")
+    for pair in fleet.pairs:
+        why = "; ".join(_flag_text(f) for f in pair.flags)
+        if pair.kind == "unlimited":
+            why = "unlimited: never degraded"
+        in_flight, pins = _of_limit(pair.in_flight, pair.in_flight_limit), _of_limit(pair.pins, pair.pin_limit)
+        print(f"{pair.provider:<16}{pair.kind:<11}{pair.model:<28}{in_flight:<11}{pins:<9}{pair.state:<10}{why}".rstrip())
+    print(f"live proxy instances: {fleet.live_instances}")
     return 0
+
+
+def _of_limit(count: int, limit: int | None) -> str:
+    return f"{count}/{'-' if limit is None else limit}"
+
+
+def _redis_address(settings) -> str:
+    """Where the configured Redis is, without credentials: host:port, the cluster's seed nodes,
+    or the Sentinel service and its sentinels."""
+    from urllib.parse import urlsplit
+
+    if settings.cluster is not None:
+        return "cluster " + ",".join(settings.cluster.nodes)
+    if settings.sentinel is not None:
+        return f"sentinel service {settings.sentinel.service_name} ({','.join(settings.sentinel.sentinels)})"
+    parts = urlsplit(settings.url)
+    return f"{parts.hostname}:{parts.port or 6379}"
 
 
 def _flag_text(flag) -> str:

@@ -42,7 +42,8 @@ SOURCES = (MANUAL, HEALTH, PASSIVE, LOAD)
 
 @dataclass(frozen=True, slots=True)
 class Flag:
-    """One flag as `describe` reads it: its source, why, and the seconds it still holds."""
+    """One flag as extproc.fleet_state reads it: its source, why, and the seconds it still holds
+    (None: no TTL)."""
 
     source: str
     reason: str
@@ -140,27 +141,6 @@ class DegradedFlags:
         if self._writes == writes:
             self._flags = flags
         return self.reasons()
-
-    async def describe(self) -> dict[tuple[str, str], list[Flag]]:
-        """Every live flag with its remaining TTL, for `iris-extproc status` (one pipelined round
-        trip, two commands per flag). Raises RedisError."""
-        keys = [
-            (pair, source, self.keys.degraded(pair[1], pair[0], source))
-            for pair in self._pairs
-            for source in SOURCES
-        ]
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for _, _, key in keys:
-                pipe.get(key)
-                pipe.pttl(key)
-            replies = await pipe.execute()
-        out: dict[tuple[str, str], list[Flag]] = {}
-        for i, (pair, source, _) in enumerate(keys):
-            value, pttl = replies[2 * i], replies[2 * i + 1]
-            if value is not None:
-                ttl = pttl / 1000 if pttl is not None and pttl >= 0 else None
-                out.setdefault(pair, []).append(Flag(source, _text(value), ttl))
-        return out
 
     async def run_refresher(self, interval_seconds: float) -> None:
         """Refresh every `interval_seconds` until cancelled; a failed refresh keeps the old

@@ -23,6 +23,10 @@ from envoy.type.v3.http_status_pb2 import HttpStatus
 
 _OVERWRITE = HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 
+METADATA_NAMESPACE = "iris.routing"
+"""The dynamic metadata namespace of the router's answers (envoy/envoy.yaml accepts it in the
+ext_proc filter's metadata_options.receiving_namespaces and prints it in the access log)."""
+
 
 def header_map(headers: HttpHeaders) -> dict[str, str]:
     """The headers of a ProcessingRequest phase as a dict of lowercase name -> value. Envoy sends
@@ -51,21 +55,35 @@ def continue_request_headers(remove: list[str]) -> ProcessingResponse:
     return ProcessingResponse(request_headers=HeadersResponse(response=common))
 
 
+def with_metadata(response: ProcessingResponse, metadata: dict[str, str | float] | None) -> ProcessingResponse:
+    """`response` carrying `metadata` (string or number values) as Envoy dynamic metadata in
+    METADATA_NAMESPACE, for the access log: `%DYNAMIC_METADATA(iris.routing:provider)%`."""
+    if metadata:
+        fields = response.dynamic_metadata.fields[METADATA_NAMESPACE].struct_value.fields
+        for key, value in metadata.items():  # field by field: faster than Struct.update
+            if isinstance(value, str):
+                fields[key].string_value = value
+            else:
+                fields[key].number_value = value
+    return response
+
+
 def route_to_cluster(
     routing_header: str, cluster: str, extra_headers: dict[str, str] | None = None, remove: list[str] | None = None,
-    body: bytes | None = None,
+    body: bytes | None = None, metadata: dict[str, str | float] | None = None,
 ) -> ProcessingResponse:
     """The request-body answer that routes: set `routing_header` to `cluster` and clear the route
     cache in the same CommonResponse, so Envoy re-matches the route with `cluster_header`
     (a clear without a header mutation in the same response is ignored: see the notes).
-    A replaced `body` gets its content-length set in the same mutation, as Envoy requires."""
+    A replaced `body` gets its content-length set in the same mutation, as Envoy requires.
+    `metadata`: see `with_metadata`."""
     headers = {routing_header: cluster, **(extra_headers or {})}
     common = CommonResponse(clear_route_cache=True)
     if body is not None:
         headers["content-length"] = str(len(body))
         common.body_mutation.body = body
     common.header_mutation.CopyFrom(header_mutation(headers, remove))
-    return ProcessingResponse(request_body=BodyResponse(response=common))
+    return with_metadata(ProcessingResponse(request_body=BodyResponse(response=common)), metadata)
 
 
 def continue_response_headers(
@@ -127,16 +145,19 @@ def model_body(model: str, model_list: bytes) -> bytes:
     return orjson.dumps(next(entry for entry in orjson.loads(model_list)["data"] if entry["id"] == model))
 
 
-def immediate_json(status: int, body: bytes, headers: dict[str, str] | None = None, details: str = "iris_extproc") -> ProcessingResponse:
+def immediate_json(
+    status: int, body: bytes, headers: dict[str, str] | None = None, details: str = "iris_extproc",
+    metadata: dict[str, str | float] | None = None,
+) -> ProcessingResponse:
     """An ImmediateResponse: Envoy answers the client with `status` and the JSON `body` without
     going upstream. `details` (Envoy's response code details) must start with "iris_": envoy.yaml's
-    local_reply_config leaves such replies untouched."""
+    local_reply_config leaves such replies untouched. `metadata`: see `with_metadata`."""
     all_headers = {"content-type": "application/json", **(headers or {})}
-    return ProcessingResponse(
+    return with_metadata(ProcessingResponse(
         immediate_response=ImmediateResponse(
             status=HttpStatus(code=status),
             headers=header_mutation(all_headers),
             body=body,
             details=details,
         )
-    )
+    ), metadata)

@@ -142,6 +142,7 @@ class LeaseTable:
             self._abandon(request, ids)
             if is_pool_exhausted(exc):
                 return Refusal.OVERLOADED
+            metrics.REDIS_ERRORS.labels("decision").inc()
             self.breaker.record_failure(exc)
             return self._decide_locally(request)
         except BaseException:
@@ -214,9 +215,11 @@ class LeaseTable:
                 await self.state.release_request_lease(held.lease, refresh_pin=refresh)
                 return
             except RedisError as exc:
+                metrics.REDIS_ERRORS.labels("release").inc()
                 if time.monotonic() + self.retry_seconds >= give_up_at:
                     log.warning("lease %s not released, it expires by itself: %s", held.lease.id, exc)
                     return
+            metrics.RELEASE_RETRIES.inc()
             await asyncio.sleep(self.retry_seconds)
 
     # ---- abandoning ---------------------------------------------------------------------
@@ -261,19 +264,24 @@ class LeaseTable:
         try:
             update = await self.state.renew_request_lease(held.lease)
         except RedisError as exc:
+            metrics.REDIS_ERRORS.labels("renew").inc()
+            metrics.LEASE_RENEWALS.labels("failed").inc()
             held.unconfirmed = True
             self.breaker.record_failure(exc)
             log.warning("lease renewal failed, the request keeps running: %s", exc)
             return True
         if update.result is Result.RENEWED:
+            metrics.LEASE_RENEWALS.labels("renewed").inc()
             held.unconfirmed, held.confirmed_at = False, renewed_at
             return True
         if held.unconfirmed or await self._redis_lost_state(held):
+            metrics.LEASE_RENEWALS.labels("adopted").inc()
             try:
                 await self._adopt(held)
             except RedisError:
                 held.unconfirmed = True
             return True
+        metrics.LEASE_RENEWALS.labels("lost").inc()
         return False
 
     async def _redis_lost_state(self, held: Held) -> bool:

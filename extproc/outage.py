@@ -34,13 +34,18 @@ from extproc.state import is_pool_exhausted
 log = logging.getLogger(__name__)
 
 
+def instances_key(key_prefix: str) -> str:
+    """The Redis key of the instance registry (zset: instance id -> heartbeat deadline, ms)."""
+    return f"{{{key_prefix}}}:instances"
+
+
 class InstanceRegistry:
     """Each proxy instance's heartbeat in Redis (a sorted set scored by heartbeat deadline, ms),
     so every instance knows how many are live: the divisor of the local shares."""
 
     def __init__(self, redis: Redis, key_prefix: str, ttl_seconds: float = 5.0):
         self.redis = redis
-        self.key = f"{{{key_prefix}}}:instances"
+        self.key = instances_key(key_prefix)
         self.instance_id = uuid.uuid4().hex
         self.ttl_ms = round(ttl_seconds * 1000)
         self.live_instances: int | None = None  # None: never seen Redis

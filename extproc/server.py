@@ -36,6 +36,7 @@ from extproc.adaptation import RequestAdapter
 from extproc.chains import ChainLink, ResponseChains, ResponseIdReader
 from extproc.config import Config
 from extproc.degraded import DegradedFlags
+from extproc.fleet_state import CachedFleetState, FleetStateReader, on_loop
 from extproc.health import HealthMonitor
 from extproc.lease_table import Held, LeaseTable, Refusal
 from extproc.openai_request import MODELS_PATH, ParsedRequest, RequestError, feature_for_path, parse_request
@@ -200,23 +201,26 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
         try:
             outcome = await self.leases.decide(routing_request)
         finally:
-            metrics.DECISION_SECONDS.observe(time.perf_counter() - started)
+            decision_seconds = time.perf_counter() - started
+            metrics.DECISION_SECONDS.observe(decision_seconds)
+        decision_ms = round(decision_seconds * 1000, 3)
         if isinstance(outcome, Refusal):
-            return self._refuse(outcome)
+            return self._refuse(outcome, parsed.model, decision_ms)
         if isinstance(outcome, Rejection):
             if routing_request.required_provider is not None and outcome.kind is not RejectionKind.UNSUPPORTED:
-                return self._reject_chained(routing_request, previous_response_id(parsed))
-            return self._reject_routing(outcome, parsed.model)
+                return self._reject_chained(routing_request, previous_response_id(parsed), decision_ms)
+            return self._reject_routing(outcome, parsed.model, decision_ms)
         if stream.ended:  # the stream ended while the decision was on its way
             self.leases.end(outcome, succeeded=False)
             return None
         stream.held, stream.decision = outcome, outcome.decision
         decision = outcome.decision
-        metrics.DECISIONS.labels(decision.provider.name, decision.reason.value).inc()
+        metrics.DECISIONS.labels(decision.provider.name, parsed.model, decision.reason.value).inc()
         stream.model = parsed.model
         change = self.adapter.adapt(decision.provider, parsed.model, parsed.body)
+        metadata = {"provider": decision.provider.name, "reason": decision.reason.value, "decision_ms": decision_ms}
         return msg.route_to_cluster(
-            self._routing_header, decision.provider.cluster, change.set_headers, change.remove, change.body
+            self._routing_header, decision.provider.cluster, change.set_headers, change.remove, change.body, metadata
         )
 
     async def _routing_request(self, stream: StreamState, parsed: ParsedRequest) -> RoutingRequest:
@@ -244,16 +248,17 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
         required = link.provider if link else None
         return RoutingRequest(parsed.model, parsed.feature, parsed.sub_features, key.session_id, required)
 
-    def _refuse(self, refusal: Refusal) -> ProcessingResponse:
+    def _refuse(self, refusal: Refusal, model: str, decision_ms: float) -> ProcessingResponse:
         """README "When Redis is gone": 503 under fail_closed, 429 when this process's Redis
         connections are all busy (load: retry soon)."""
-        metrics.REJECTIONS.labels(refusal.value).inc()
+        metrics.REJECTIONS.labels(refusal.value, metrics.model_label(model, self.models)).inc()
         headers = {"retry-after": str(self.config.server.retry_after_seconds)}
+        metadata = {"code": refusal.value, "decision_ms": decision_ms}
         if refusal is Refusal.OVERLOADED:
             body = msg.openai_error_body("the routing service is overloaded: retry shortly", "rate_limit_error", refusal.value)
-            return msg.immediate_json(429, body, headers)
+            return msg.immediate_json(429, body, headers, metadata=metadata)
         body = msg.openai_error_body("the routing service is temporarily unavailable", "service_unavailable", refusal.value)
-        return msg.immediate_json(503, body, headers)
+        return msg.immediate_json(503, body, headers, metadata=metadata)
 
     def _on_response_headers(self, stream: StreamState, request: ProcessingRequest) -> ProcessingResponse:
         headers = msg.header_map(request.response_headers)
@@ -306,8 +311,9 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
         return RequestError(413, f"request body is larger than {limit} bytes", "request_too_large")
 
     def _reject_request(self, exc: RequestError) -> ProcessingResponse:
-        metrics.REJECTIONS.labels(exc.code).inc()
-        return msg.immediate_json(exc.status, msg.openai_error_body(exc.message, exc.error_type, exc.code, exc.param))
+        metrics.REJECTIONS.labels(exc.code, "").inc()  # before a configured model is known
+        body = msg.openai_error_body(exc.message, exc.error_type, exc.code, exc.param)
+        return msg.immediate_json(exc.status, body, metadata={"code": exc.code})
 
     def _answer_models(self, stream: StreamState) -> ProcessingResponse:
         """`GET /v1/models` (and `/v1/models/<id>`) from the configuration, in OpenAI's shape."""
@@ -321,7 +327,7 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
             return msg.immediate_json(200, msg.model_body(model, self._model_list))
         raise RequestError(404, f"the model '{model[:200]}' does not exist", "model_not_found", param="model")
 
-    def _reject_chained(self, request: RoutingRequest, response_id: str | None) -> ProcessingResponse:
+    def _reject_chained(self, request: RoutingRequest, response_id: str | None, decision_ms: float) -> ProcessingResponse:
         """A turn continuing a response stored on a provider that cannot take it now: a clear
         error, never a silent 404 from a provider that does not hold the response."""
         provider = request.required_provider
@@ -332,22 +338,24 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
             f"the previous response '{(response_id or '')[:100]}' is stored on provider {provider}, which is {state}: "
             "retry later, or start a new chain without previous_response_id"
         )
-        metrics.REJECTIONS.labels("previous_response_unavailable").inc()
+        code = "previous_response_unavailable"
+        metrics.REJECTIONS.labels(code, metrics.model_label(request.model, self.models)).inc()
         status, error_type = (503, "service_unavailable") if degraded else (429, "rate_limit_error")
-        body = msg.openai_error_body(message, error_type, "previous_response_unavailable", "previous_response_id")
-        return msg.immediate_json(status, body, {"retry-after": str(self.config.server.retry_after_seconds)})
-
-    def _reject_routing(self, rejection: Rejection, model: str) -> ProcessingResponse:
-        metrics.REJECTIONS.labels(rejection.kind.value).inc()
-        if rejection.kind is RejectionKind.UNSUPPORTED:
-            body = msg.openai_error_body(rejection.message, "invalid_request_error", "unsupported_feature", rejection.param)
-            return msg.immediate_json(400, body)
+        body = msg.openai_error_body(message, error_type, code, "previous_response_id")
         headers = {"retry-after": str(self.config.server.retry_after_seconds)}
-        if rejection.kind is RejectionKind.CAPACITY:
-            body = msg.openai_error_body(rejection.message, "rate_limit_error", "capacity_exceeded")
-            return msg.immediate_json(429, body, headers)
-        body = msg.openai_error_body(rejection.message, "service_unavailable", "no_provider_available")
-        return msg.immediate_json(503, body, headers)
+        return msg.immediate_json(status, body, headers, metadata={"code": code, "decision_ms": decision_ms})
+
+    def _reject_routing(self, rejection: Rejection, model: str, decision_ms: float) -> ProcessingResponse:
+        headers = {"retry-after": str(self.config.server.retry_after_seconds)}
+        if rejection.kind is RejectionKind.UNSUPPORTED:
+            status, error_type, code, param, headers = 400, "invalid_request_error", "unsupported_feature", rejection.param, None
+        elif rejection.kind is RejectionKind.CAPACITY:
+            status, error_type, code, param = 429, "rate_limit_error", "capacity_exceeded", None
+        else:
+            status, error_type, code, param = 503, "service_unavailable", "no_provider_available", None
+        metrics.REJECTIONS.labels(code, metrics.model_label(model, self.models)).inc()
+        body = msg.openai_error_body(rejection.message, error_type, code, param)
+        return msg.immediate_json(status, body, headers, metadata={"code": code, "decision_ms": decision_ms})
 
 
 def _is_models_path(path: str) -> bool:
@@ -409,6 +417,7 @@ class Gateway:
                     await self.leases.refresh_epoch()
                 self.breaker.record_success()
             except RedisError as exc:
+                metrics.REDIS_ERRORS.labels("heartbeat").inc()
                 self.breaker.record_failure(exc)
             await asyncio.sleep(self.config.redis.instance_heartbeat_seconds)
 
@@ -450,7 +459,14 @@ async def serve(config: Config) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    metrics_server = None
     if config.server.metrics_listen:
-        metrics.start_metrics_server(config.server.metrics_listen)
+        # Reads at most one a second, on this loop; a scrape waits for it in the metrics thread.
+        read = on_loop(FleetStateReader(config, gateway.redis), loop, 2 * config.redis.socket_timeout_seconds + 1)
+        fleet = CachedFleetState(read)
+        metrics_server, _ = metrics.start_metrics_server(config.server.metrics_listen, fleet, lambda: gateway.breaker.is_open)
+        log.info("metrics on http://%s/metrics", config.server.metrics_listen)
     await stop.wait()
     await gateway.drain()
+    if metrics_server is not None:
+        metrics_server.shutdown()

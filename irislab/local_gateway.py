@@ -70,10 +70,16 @@ class Instance:
     listener_port: int
     admin_port: int
     config_path: Path
+    metrics_port: int
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.listener_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        """The ext_proc server's Prometheus endpoint."""
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
 
 
 @dataclass
@@ -81,7 +87,8 @@ class LocalGateway:
     """Starts and stops a local gateway. Use as a context manager or call start()/stop().
 
     `config_data`: routing configuration as a dict (default: envoy/example-config.yaml); its
-    redis URL and listen address are overwritten. `simulations`: per provider name, else
+    redis URL, listen address and metrics address are overwritten (each instance gets free ports;
+    `Instance.metrics_url` is its Prometheus endpoint). `simulations`: per provider name, else
     `default_simulation`.
     `env`: extra environment for the ext_proc servers (for example provider API keys)."""
 
@@ -212,12 +219,12 @@ class LocalGateway:
         return providers
 
     def _start_instance(self, index: int, data: dict[str, Any]) -> Instance:
-        grpc_port, listener_port, admin_port = free_port(), free_port(), free_port()
+        grpc_port, listener_port, admin_port, metrics_port = free_port(), free_port(), free_port(), free_port()
         config = dict(data)
         config["redis"] = {**data.get("redis", {})}
         if self.redis_url is not None:
             config["redis"]["url"] = self.redis_url
-        config["server"] = {**data.get("server", {}), "listen": f"127.0.0.1:{grpc_port}"}
+        config["server"] = {**data.get("server", {}), "listen": f"127.0.0.1:{grpc_port}", "metrics_listen": f"127.0.0.1:{metrics_port}"}
         config["providers"] = self._checks_on_simulators(data, index)
         config_path = self.work_dir / f"routing-{index}.yaml"
         config_path.write_text(yaml.safe_dump(config, sort_keys=False))
@@ -236,9 +243,10 @@ class LocalGateway:
         wait_for_port(grpc_port, process=extproc.popen)
         envoy = spawn(
             f"envoy-{index}",
-            [envoy_binary(), "-c", str(envoy_path), "-l", "warning", "--concurrency", str(self.envoy_concurrency), "--disable-hot-restart"],
+            [envoy_binary(), "-c", str(envoy_path), "-l", "warning", "--concurrency", str(self.envoy_concurrency), "--disable-hot-restart",
+             "--file-flush-interval-msec", "200"],  # the access log within 0.2 s, not Envoy's default 10 s
             self.work_dir,
         )
         envoy.port = listener_port
         wait_for_port(listener_port, process=envoy.popen)
-        return Instance(index, envoy, extproc, listener_port, admin_port, config_path)
+        return Instance(index, envoy, extproc, listener_port, admin_port, config_path, metrics_port)

@@ -9,6 +9,7 @@ import pytest
 
 from extproc.config import ConfigError, LoadGauge, parse_config
 from extproc.degraded import HEALTH, LOAD, MANUAL, PASSIVE, DegradedFlags
+from extproc.fleet_state import FleetStateReader
 from extproc.health import HealthMonitor, Streak, display_url, gauge_values, over_threshold
 from extproc.routing import RejectionKind, Router, RoutingRequest
 from extproc.state import RoutingState
@@ -35,10 +36,16 @@ async def test_flags_live_under_the_models_hash_tag_and_expire(redis_client, sma
     await flags.set_many([("iris-1", "m"), ("iris-2", "m")], "health: down", 30, HEALTH)
     keys = sorted(k.decode() for k in await redis_client.keys("*"))
     assert keys == ["{t:m}:degraded:iris-1:health", "{t:m}:degraded:iris-2:health"]
-    described = await flags.describe()
-    (flag,) = described[("iris-1", "m")]
+    (flag,) = await pair_flags(redis_client, small_config, "iris-1", "m")
     assert (flag.source, flag.reason) == (HEALTH, "health: down")
     assert 0 < flag.ttl_seconds <= 30
+
+
+async def pair_flags(redis_client, config, provider: str, model: str) -> list:
+    """The pair's degraded flags as `iris-extproc status` reads them."""
+    fleet = await FleetStateReader(config, redis_client).read()
+    (pair,) = [p for p in fleet.pairs if (p.provider, p.model) == (provider, model)]
+    return pair.flags
 
 
 async def test_refresh_is_one_round_trip(redis_client, small_config):
@@ -109,7 +116,7 @@ async def test_passive_failures_in_the_window_degrade_for_a_cooldown(redis_clien
     monitor = HealthMonitor(config, redis_client, flags)
     assert [await monitor.record_failure("iris-1", "m", "status 503") for _ in range(3)] == [False, False, True]
     assert flags.is_degraded("iris-1", "m")
-    (flag,) = (await flags.describe())[("iris-1", "m")]
+    (flag,) = await pair_flags(redis_client, config, "iris-1", "m")
     assert flag.source == PASSIVE and flag.reason.startswith("passive: 3 upstream failures within 10 s")
     assert 50 < flag.ttl_seconds <= 60
     assert await redis_client.exists("{t:m}:failures:iris-1") == 0  # the next cool-down needs fresh failures
