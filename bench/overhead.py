@@ -10,7 +10,7 @@ open loop at each fixed rate, then closed loop at saturation.
 Prints, per rate, latency p50/p90/p99 (ms) of both paths and the added latency (gateway minus
 plain, per percentile), then the saturation throughput (requests/s) of both, their ratio, and the
 ext_proc CPU per request (ms) at each rate and at saturation, with the requests/s one ext_proc core
-sustains at saturation. The ext_proc server's own decision histogram (`iris_decision_seconds`:
+sustains at saturation. The ext_proc server's own decision histogram (`iris_decision_duration_seconds`:
 parsed body to decision, its Redis round trip included) gives the mean decision time per rate, the
 part of the added latency that the routing itself (rather than the ext_proc messages) costs.
 
