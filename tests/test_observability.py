@@ -214,7 +214,7 @@ def test_status_without_a_reachable_redis_is_one_line_without_a_traceback(tmp_pa
     silent.bind(("127.0.0.1", 0))
     silent.listen(1)  # accepts into the backlog, never answers: commands time out
     try:
-        for sock, words in ((refused, "refused"), (silent, "timeout")):
+        for sock, words in ((refused, "connect"), (silent, "timeout")):
             port = sock.getsockname()[1]
             data["redis"] = {**data["redis"], "url": f"redis://user:secret-password@127.0.0.1:{port}/0", "socket_timeout_seconds": 0.3}
             config = tmp_path / f"routing-{port}.yaml"
