@@ -22,6 +22,7 @@ from redis.cluster import RedisCluster as SyncCluster
 
 from extproc.config import ConfigError, parse_config
 from extproc.degraded import DegradedFlags
+from extproc.fleet_state import FleetStateReader
 from extproc.health import HealthMonitor
 from extproc.outage import InstanceRegistry
 from extproc.redis_client import LuaScript, open_redis
@@ -58,8 +59,8 @@ def many_models_config(redis_section: dict):
 
 
 async def exercise_everything(config) -> None:
-    """Every routing-state transition, the instance registry, degraded flags (set, refresh,
-    describe, the pipelined forms) and the passive window, on every model of `config`."""
+    """Every routing-state transition, the instance registry, degraded flags (set, refresh, the
+    pipelined forms), the fleet-state read and the passive window, on every model of `config`."""
     client = open_redis(config.redis, timeout_seconds=5)
     try:
         state = RoutingState(client, config)
@@ -90,7 +91,9 @@ async def exercise_everything(config) -> None:
         await flags.set_many(pairs, "test", 30, "health")
         await flags.set(*pairs[0], "drained", 30)
         assert set((await flags.refresh())) == set(pairs)
-        assert len((await flags.describe())[pairs[0]]) == 2
+        fleet = await FleetStateReader(config, client).read()  # one pipeline of a script per model: per shard
+        assert [len(p.flags) for p in fleet.pairs if (p.provider, p.model) == pairs[0]] == [2]
+        assert {(p.provider, p.model) for p in fleet.pairs if p.flags} == set(pairs)
         await flags.clear_many(pairs, "health")
         await flags.clear(*pairs[0])
         assert await flags.refresh() == {}
