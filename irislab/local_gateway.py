@@ -30,7 +30,9 @@ EXAMPLE_CONFIG = example_config()
 @dataclass
 class ProviderSimulation:
     """How to simulate one provider: delays in milliseconds (`prefill_ms_per_token`: per prompt
-    token missing from the prefix cache), prefix-cache size in blocks.
+    token missing from the prefix cache), prefix-cache size in blocks, and its capacity:
+    `max_num_seqs` generations at once, the others wait (0: no limit), each token slower by
+    `decode_ms_per_running_seq` for every other generation running (see irislab.simulator).
 
     By default the simulator behaves as the routing config says the provider does: it serves
     only the provider's model names (`upstream_model` where set) and, for a provider with
@@ -43,6 +45,8 @@ class ProviderSimulation:
     prefill_ms_per_token: float = 0
     block_tokens: int = 512
     cache_blocks: int = 4096
+    max_num_seqs: int = 0
+    decode_ms_per_running_seq: float = 0
     api_key_env: str | None = None
     served_models: list[str] | None = None
     tls_cert: Path | None = None
@@ -50,13 +54,14 @@ class ProviderSimulation:
 
 
 def simulator_argv(name: str, port: int, sim: ProviderSimulation) -> list[str]:
-    """The command that runs simulated provider `name` on 127.0.0.1:`port` with `sim`'s timing
-    and cache (credentials, served models and TLS are added by the caller)."""
+    """The command that runs simulated provider `name` on 127.0.0.1:`port` with `sim`'s timing,
+    cache and capacity (credentials, served models and TLS are added by the caller)."""
     return [
         sys.executable, "-m", "irislab.simulator", "--name", name, "--port", str(port),
         "--ttft-ms", str(sim.ttft_ms), "--per-token-ms", str(sim.per_token_ms),
         "--prefill-ms-per-token", str(sim.prefill_ms_per_token),
         "--block-tokens", str(sim.block_tokens), "--cache-blocks", str(sim.cache_blocks),
+        "--max-num-seqs", str(sim.max_num_seqs), "--decode-ms-per-running-seq", str(sim.decode_ms_per_running_seq),
     ]
 
 

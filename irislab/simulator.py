@@ -25,6 +25,12 @@ Model of the work:
   n * per_token_ms`` milliseconds, where ``prefill = uncached prompt tokens * prefill_ms_per_token``
   (0 by default: prefix-cache hits then cost nothing extra); a streamed answer sends its first
   chunk after ``ttft_ms + prefill`` and one chunk per token every ``per_token_ms`` after that.
+* Capacity (off by default), as vLLM's scheduler has it: at most ``max_num_seqs`` generations run
+  at once (vLLM's ``--max-num-seqs``); the others wait in arrival order, before their prefill,
+  and count as ``waiting``. Every token of a generation takes ``per_token_ms +
+  decode_ms_per_running_seq * (running - 1)``, ``running`` being the generations running when
+  the token starts (a batch decodes more slowly the larger it is), so overload shows as time to
+  first token (the wait) and as latency (the slower decode).
 
 Control and observation endpoints: ``GET /stats``, ``POST /stats/reset``, ``POST /control/fail``,
 ``POST /control/clear``, ``GET /health``, ``POST /control/health``, ``GET /metrics`` and
@@ -37,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
 import hashlib
 import hmac
@@ -50,7 +57,7 @@ import sys
 import time
 import uuid
 from collections import OrderedDict, deque
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,6 +92,10 @@ class SimulatorConfig:
         ``api-key: <key>``, else they get a 401 OpenAI-style error.
     served_model_names: when set, a request for another model gets a 404 ``model_not_found``.
     default_max_tokens: completion tokens when the request names no limit.
+    max_num_seqs: generations served at once, like vLLM's ``--max-num-seqs``; the others wait
+        (first come, first served). 0: no limit, nothing ever waits.
+    decode_ms_per_running_seq: extra time per generated token for every other generation
+        running at once, in milliseconds (0: the batch size does not change the decode time).
     """
 
     name: str
@@ -96,6 +107,8 @@ class SimulatorConfig:
     required_api_key: str | None = None
     served_model_names: list[str] | None = None
     default_max_tokens: int = 16
+    max_num_seqs: int = 0
+    decode_ms_per_running_seq: float = 0
 
 
 @dataclass
@@ -122,6 +135,9 @@ class SimulatorState:
     last_request_models: the ``model`` values of the last 50 inference requests, as received.
     health_checks / health_checks_failed: ``GET /health`` requests, and those answered 503;
     health_checks_failed_by_client: the same per ``client`` query parameter (``/health?client=x``).
+    running / waiting: generations running now, and those waiting for one of the
+        ``max_num_seqs`` places (always 0 without that limit); max_waiting: the most ever seen
+        waiting at once; queued_requests: generations that had to wait at all.
     """
 
     in_flight: int = 0
@@ -141,6 +157,10 @@ class SimulatorState:
     health_checks_failed: int = 0
     health_checks_failed_by_client: dict[str, int] = field(default_factory=dict)
     responses_stored: int = 0
+    running: int = 0
+    waiting: int = 0
+    max_waiting: int = 0
+    queued_requests: int = 0
 
     def request_started(self, headers: Iterable[tuple[str, str]]) -> _Exchange:
         """Count a request whose handler starts, remembering its headers."""
@@ -170,6 +190,8 @@ class SimulatorState:
         """Restart the maxima from the current in-flight counts and clear the totals."""
         self.max_in_flight = self.in_flight
         self.max_in_flight_by_model = dict(self.in_flight_by_model)
+        self.max_waiting = self.waiting
+        self.queued_requests = 0
         self.requests = self.prompt_tokens = self.cached_tokens = self.completion_tokens = 0
         self.health_checks = self.health_checks_failed = 0
         self.health_checks_failed_by_client.clear()
@@ -195,6 +217,10 @@ class SimulatorState:
             "health_checks_failed": self.health_checks_failed,
             "health_checks_failed_by_client": dict(self.health_checks_failed_by_client),
             "responses_stored": self.responses_stored,
+            "running": self.running,
+            "waiting": self.waiting,
+            "max_waiting": self.max_waiting,
+            "queued_requests": self.queued_requests,
         }
 
 
@@ -238,6 +264,38 @@ class PrefixCache:
             previous = hashlib.blake2b(previous + b"\0" + block, digest_size=16).digest()
             keys.append(previous)
         return keys
+
+
+class _Batch:
+    """The generations running at once: at most `max_seqs` (0: any number), the others wait
+    first come, first served. Counts into `state` (running, waiting, max_waiting,
+    queued_requests)."""
+
+    def __init__(self, max_seqs: int, state: SimulatorState):
+        self._slots = asyncio.Semaphore(max_seqs) if max_seqs > 0 else None
+        self._state = state
+
+    @contextlib.asynccontextmanager
+    async def seat(self) -> AsyncIterator[None]:
+        """Hold a place in the batch for the body of the ``async with``, waiting for one first
+        when all are taken (a cancelled wait leaves the queue)."""
+        state = self._state
+        if self._slots is not None and self._slots.locked():
+            state.queued_requests += 1
+        if self._slots is not None:
+            state.waiting += 1
+            state.max_waiting = max(state.max_waiting, state.waiting)
+            try:
+                await self._slots.acquire()
+            finally:
+                state.waiting -= 1
+        state.running += 1
+        try:
+            yield
+        finally:
+            state.running -= 1
+            if self._slots is not None:
+                self._slots.release()
 
 
 @dataclass(frozen=True)
@@ -641,6 +699,12 @@ async def _sleep_until(deadline: float) -> None:
         await asyncio.sleep(delay)
 
 
+def decode_token_ms(config: SimulatorConfig, running: int) -> float:
+    """Time to generate one token with `running` generations in the batch (this one included),
+    in milliseconds: per_token_ms plus decode_ms_per_running_seq for every other one."""
+    return config.per_token_ms + config.decode_ms_per_running_seq * max(0, running - 1)
+
+
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _Answer = Callable[[web.Request, dict[str, Any], _Exchange, bool], Awaitable[web.StreamResponse]]
 
@@ -653,6 +717,7 @@ class _Service:
         self.state = SimulatorState()
         self.cache = PrefixCache(config.block_tokens, config.cache_blocks)
         self.faults = _FaultInjector()
+        self.batch = _Batch(config.max_num_seqs, self.state)
         self.healthy = True
         self.waiting: dict[str, float] = {}
         self.store = ResponseStore()
@@ -728,21 +793,39 @@ class _Service:
         drop: bool,
     ) -> web.StreamResponse:
         context = self.store.context(body) if isinstance(api, _ResponsesApi) else ""
-        gen = self._start_generation(api, body, context)
-        if isinstance(api, _ResponsesApi):
-            prompt = (context + "\n" + api.prompt(body)) if context else api.prompt(body)
-            if self.store.keep(body, gen.id, prompt + "\n" + gen.text()):
-                self.state.responses_stored += 1
-        if body.get("stream") is True:
-            return await self._stream(api, gen, request, exchange, drop)
-        if drop:
-            return self._drop(request, exchange)
-        config = self.config
-        delay_ms = self._first_token_ms(gen) + gen.completion_tokens * config.per_token_ms
-        await asyncio.sleep(delay_ms / 1000)
+        words = context.split() + api.prompt(body).split()  # a bad request is answered at once, without waiting
+        max_tokens = _max_tokens(body, api.max_token_fields, self.config.default_max_tokens)
+        async with self.batch.seat():
+            gen = self._start_generation(api, body, words, max_tokens)
+            if isinstance(api, _ResponsesApi):
+                prompt = (context + "\n" + api.prompt(body)) if context else api.prompt(body)
+                if self.store.keep(body, gen.id, prompt + "\n" + gen.text()):
+                    self.state.responses_stored += 1
+            if body.get("stream") is True:
+                return await self._stream(api, gen, request, exchange, drop)
+            if drop:
+                return self._drop(request, exchange)
+            await self._decode(gen)
         self.state.completion_tokens += gen.completion_tokens
         exchange.outcome = "200"
         return _json_response(api.answer(gen))
+
+    def token_ms(self) -> float:
+        """Time to generate one token now, in milliseconds (`decode_token_ms`)."""
+        return decode_token_ms(self.config, self.state.running)
+
+    async def _decode(self, gen: _Generation) -> None:
+        """Wait until a non-streamed `gen` is ready: its first token, then every token at the
+        batch's speed when that token starts."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._first_token_ms(gen) / 1000
+        if self.config.decode_ms_per_running_seq == 0:  # one sleep: the speed never changes
+            await _sleep_until(deadline + gen.completion_tokens * self.config.per_token_ms / 1000)
+            return
+        for _ in range(gen.completion_tokens):
+            await _sleep_until(deadline)
+            deadline += self.token_ms() / 1000
+        await _sleep_until(deadline)
 
     def _first_token_ms(self, gen: _Generation) -> float:
         """Time to first token of `gen`, in milliseconds: ttft_ms plus the prefill of its
@@ -750,11 +833,9 @@ class _Service:
         uncached = gen.prompt_tokens - gen.cached_tokens
         return self.config.ttft_ms + uncached * self.config.prefill_ms_per_token
 
-    def _start_generation(self, api: _GenerationApi, body: dict[str, Any], context: str = "") -> _Generation:
-        """Parse the prompt (after `context`, the transcript a Responses turn continues), look it
-        up in the prefix cache and count its tokens."""
-        words = context.split() + api.prompt(body).split()
-        max_tokens = _max_tokens(body, api.max_token_fields, self.config.default_max_tokens)
+    def _start_generation(self, api: _GenerationApi, body: dict[str, Any], words: list[str], max_tokens: int) -> _Generation:
+        """Look the prompt's `words` (after the transcript a Responses turn continues, if any) up
+        in the prefix cache and count its tokens."""
         cached = self.cache.lookup_and_insert(words)
         self.state.prompt_tokens += len(words)
         self.state.cached_tokens += cached
@@ -777,8 +858,8 @@ class _Service:
         exchange: _Exchange,
         drop: bool,
     ) -> web.StreamResponse:
-        """Send `gen` as server-sent events: the first token after ttft_ms, then one token
-        every per_token_ms (paced against a deadline so the delays do not drift)."""
+        """Send `gen` as server-sent events: the first token after ttft_ms plus prefill, then one
+        token every `token_ms` (paced against a deadline so the delays do not drift)."""
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
@@ -795,7 +876,7 @@ class _Service:
                 if drop:
                     self._drop(request, exchange)
                     return response
-                deadline += self.config.per_token_ms / 1000
+                deadline += self.token_ms() / 1000
             await response.write(api.stream_end(gen))
             await response.write_eof()
         except ConnectionResetError:
@@ -1012,6 +1093,14 @@ def _parse_args(argv: list[str] | None) -> tuple[SimulatorConfig, str, int, ssl.
     parser.add_argument("--block-tokens", type=int, default=512, help="tokens per cache block")
     parser.add_argument("--cache-blocks", type=int, default=4096, help="cache capacity, blocks")
     parser.add_argument(
+        "--max-num-seqs", type=int, default=0,
+        help="generations served at once (like vLLM's), the others wait; 0: no limit",
+    )
+    parser.add_argument(
+        "--decode-ms-per-running-seq", type=float, default=0,
+        help="extra time per token for every other generation running at once, ms",
+    )
+    parser.add_argument(
         "--api-key-env", metavar="VAR", help="environment variable holding the required API key"
     )
     parser.add_argument(
@@ -1034,6 +1123,8 @@ def _parse_args(argv: list[str] | None) -> tuple[SimulatorConfig, str, int, ssl.
             parser.error(f"environment variable {args.api_key_env} is not set")
     if args.block_tokens < 1:
         parser.error("--block-tokens must be >= 1")
+    if args.max_num_seqs < 0 or args.decode_ms_per_running_seq < 0:
+        parser.error("--max-num-seqs and --decode-ms-per-running-seq must be >= 0")
     config = SimulatorConfig(
         name=args.name,
         ttft_ms=args.ttft_ms,
@@ -1041,6 +1132,8 @@ def _parse_args(argv: list[str] | None) -> tuple[SimulatorConfig, str, int, ssl.
         prefill_ms_per_token=args.prefill_ms_per_token,
         block_tokens=args.block_tokens,
         cache_blocks=args.cache_blocks,
+        max_num_seqs=args.max_num_seqs,
+        decode_ms_per_running_seq=args.decode_ms_per_running_seq,
         required_api_key=api_key,
         served_model_names=args.models,
     )
@@ -1065,7 +1158,7 @@ async def _serve_until_signalled(
 def main(argv: list[str] | None = None) -> None:
     """CLI: ``python -m irislab.simulator --name iris-1 --port 8001 [--host 127.0.0.1]
     [--ttft-ms 50] [--per-token-ms 5] [--prefill-ms-per-token 0.1] [--block-tokens 512]
-    [--cache-blocks 4096] [--api-key-env VAR] [--model NAME ...] [--tls-cert PEM --tls-key PEM]``.
+    [--cache-blocks 4096] [--max-num-seqs 0] [--decode-ms-per-running-seq 0] [--api-key-env VAR] [--model NAME ...] [--tls-cert PEM --tls-key PEM]``.
     Serves until SIGTERM or SIGINT, then exits 0."""
     config, host, port, ssl_context = _parse_args(argv)
     logging.basicConfig(

@@ -19,7 +19,7 @@ import httpx
 import orjson
 import pytest
 
-from irislab.simulator import SimulatorConfig, start_simulator
+from irislab.simulator import SimulatorConfig, decode_token_ms, start_simulator
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODEL = "sim-model"
@@ -474,3 +474,63 @@ def test_cli_serves_and_exits_on_sigterm() -> None:
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+async def wait_stats(http: aiohttp.ClientSession, **expected: int) -> dict[str, Any]:
+    """/stats once every `expected` counter has its value, or after about 10 s of polling."""
+    for _ in range(200):
+        current = await stats(http)
+        if all(current[key] == value for key, value in expected.items()):
+            break
+        await asyncio.sleep(0.05)
+    return current
+
+
+@pytest.mark.asyncio
+async def test_max_num_seqs_makes_the_others_wait_before_their_prefill() -> None:
+    async with running(ttft_ms=60_000, max_num_seqs=2) as (_, http):
+        tasks = [asyncio.create_task(post(http, "/v1/chat/completions", chat(f"p{i} a b"))) for i in range(5)]
+        try:
+            current = await wait_stats(http, running=2, waiting=3)
+            assert (current["in_flight"], current["running"], current["waiting"]) == (5, 2, 3)
+            assert current["prompt_tokens"] == 2 * 3  # only the two running reached the prefix cache
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        current = await wait_idle(http)
+    assert (current["running"], current["waiting"]) == (0, 0)
+    assert (current["max_waiting"], current["queued_requests"]) == (3, 3)
+    assert current["requests_by_status"] == {"499": 5}
+
+
+@pytest.mark.asyncio
+async def test_a_waiting_request_runs_when_a_place_frees() -> None:
+    long_stream = chat("a", max_tokens=100_000, stream=True)
+    async with running(per_token_ms=20, max_num_seqs=1) as (simulator, http):
+        async with aiohttp.ClientSession(base_url=simulator.url) as client:
+            async with client.post("/v1/chat/completions", json=long_stream) as r:
+                await r.content.readline()  # the first one runs
+                second = asyncio.create_task(post(http, "/v1/chat/completions", chat("b", max_tokens=1)))
+                assert (await wait_stats(http, waiting=1))["waiting"] == 1
+                assert not second.done()
+            status, body = await asyncio.wait_for(second, timeout=30)  # its place freed when the first left
+        current = await wait_idle(http)
+    assert status == 200 and body["usage"]["completion_tokens"] == 1
+    assert current["requests_by_status"] == {"499": 1, "200": 1}
+    assert (current["max_waiting"], current["queued_requests"], current["waiting"]) == (1, 1, 0)
+
+
+@pytest.mark.asyncio
+async def test_without_max_num_seqs_nothing_waits() -> None:
+    async with running(ttft_ms=300) as (_, http):
+        results = await asyncio.gather(*(post(http, "/v1/chat/completions", chat("x")) for _ in range(4)))
+        current = await stats(http)
+    assert [status for status, _ in results] == [200] * 4
+    assert (current["max_waiting"], current["queued_requests"]) == (0, 0)
+
+
+def test_decode_slows_with_the_batch() -> None:
+    config = SimulatorConfig(name="sim", per_token_ms=10, decode_ms_per_running_seq=2.5)
+    assert [decode_token_ms(config, running) for running in (0, 1, 2, 5)] == [10, 10, 12.5, 20]
+    assert decode_token_ms(SimulatorConfig(name="sim", per_token_ms=4), 9) == 4
