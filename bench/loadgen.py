@@ -1,7 +1,8 @@
 """The load generator of the overhead and cost benchmarks, run in its own process so that its CPU
 is not the gateway's: short non-streamed chat requests, open loop at a fixed rate or closed loop
 (saturation), every request from one of `--users` users (the `x-user-id` header; each user is one
-session), or from a new user every request with `--new-users`.
+session), or from a new user every request with `--new-users`; with `--session-header` the user id
+also goes in `X-Session-ID` (the session header of vllm-router's sticky policy).
 
     python -m bench.loadgen --url http://127.0.0.1:10000 --rate 200 --requests 2000 \
         --max-seconds 15 --users 100 --out result.json
@@ -25,6 +26,7 @@ from bench.common import Sample, check_local, closed_loop, fixed_rate_offsets, l
 
 CHAT_PATH = "/v1/chat/completions"
 USER_HEADER = "x-user-id"
+SESSION_HEADER = "X-Session-ID"
 
 
 def request_body(model: str) -> bytes:
@@ -61,6 +63,8 @@ async def run(args: argparse.Namespace) -> dict:
             else:
                 user = user_name(args.user_prefix, rng.randrange(args.users))
             headers = {USER_HEADER: user, "content-type": "application/json"}
+            if args.session_header:
+                headers[SESSION_HEADER] = user
             sample.sent = loop.time() - start
             try:
                 async with http.post(url, data=body, headers=headers) as response:
@@ -94,6 +98,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-seconds", type=float, default=10.0, help="send for at most this long (s)")
     parser.add_argument("--users", type=int, default=100, help="distinct users (sessions) to draw from")
     parser.add_argument("--new-users", action="store_true", help="a new user (session) for every request")
+    parser.add_argument("--session-header", action="store_true", help="send the user id as X-Session-ID too")
     parser.add_argument("--user-prefix", default="user-")
     parser.add_argument("--user-offset", type=int, default=0, help="first user number with --new-users")
     parser.add_argument("--model", default="llama-3.1-70b")
