@@ -12,14 +12,22 @@ conversation is the pair of the first two block ids; each conversation has its o
 length x `--token-scale`.
 
 Providers: two own simulated providers (`iris-1`, `iris-2`; small in-flight limits, an LRU block
-cache of `--cache-blocks` each, prefill time per uncached token) and one third party (`tensorx`,
-no limits, same simulation). Policies, each on fresh providers (empty caches):
+cache of `--cache-blocks` each, prefill time per uncached token, and a capacity: at most
+`--max-num-seqs` generations at once, the others wait, and a decode slower by
+`--decode-ms-per-running-seq` per token for every other generation running, so that overload
+costs time to first token and latency) and one third party (`tensorx`, no limits and no capacity
+limit, otherwise the same simulation). Policies, each on fresh providers (empty caches):
 
 * `router`: the full gateway (Envoy + ext_proc + Redis), the limits in its routing config;
+  `router_prefer_previous`: the same with `routing.prefer_previous_provider` on (a session that
+  pins again tries the provider of its previous pin first);
 * `round_robin`, `least_request`, `ring_hash`: Envoy without ext_proc, one cluster over the two own
   providers' endpoints with that load balancer (`ring_hash` hashes the `x-user-id` header). The
   third party is not in these clusters: Envoy's load balancers know no capacity limits, so they
-  have no reason to offload, and an equal-weight third endpoint would only send it a fixed share.
+  have no reason to offload, and an equal-weight third endpoint would only send it a fixed share;
+* the peers of `bench.peers` (SGLang Model Gateway, vllm-router) over the two own providers, for
+  the same reason without the third party; every request carries the user id in `X-Session-ID`
+  too (vllm-router's sticky_least_loaded reads it). A peer that is not installed is skipped.
 
 Reported per policy: prefix tokens reused (the providers' `cached_tokens`) as a share of the
 oracle (one unbounded cache that sees every request in trace order, computed from the block ids),
@@ -66,13 +74,17 @@ from bench.common import (
     wait_http_ready,
     write_json,
 )
+from bench.peers import BY_NAME as PEERS_BY_NAME
+from bench.peers import PEERS, SESSION_HEADER, start_peer, unavailable
 from extproc.state import Keyspace
 from irislab.local_gateway import LocalGateway, ProviderSimulation
 from irislab.processes import free_port
 
 OWN = ("iris-1", "iris-2")
 THIRD_PARTY = "tensorx"
-POLICIES = ("router", "round_robin", "least_request", "ring_hash")
+ROUTER_POLICIES = ("router", "router_prefer_previous")
+POLICIES = (*ROUTER_POLICIES, "round_robin", "least_request", "ring_hash", *(p.name for p in PEERS))
+DEFAULT_POLICIES = ("router", "round_robin", "least_request", "ring_hash", *(p.name for p in PEERS))
 LB_POLICIES = {"round_robin": "ROUND_ROBIN", "least_request": "LEAST_REQUEST", "ring_hash": "RING_HASH"}
 USER_HEADER = "x-user-id"
 KEY_PREFIX = "replay"
@@ -163,13 +175,16 @@ def oracle_hits(requests: list[TraceRequest]) -> list[int]:
 # ---------------------------------------------------------------------------------------------
 
 
-def simulation(args: argparse.Namespace) -> ProviderSimulation:
+def simulation(args: argparse.Namespace, own: bool = True) -> ProviderSimulation:
+    """An own provider's simulation (with its capacity), or the third party's (without)."""
     return ProviderSimulation(ttft_ms=args.ttft_ms, per_token_ms=args.per_token_ms,
                               prefill_ms_per_token=args.prefill_ms_per_token,
-                              block_tokens=args.block_tokens, cache_blocks=args.cache_blocks)
+                              block_tokens=args.block_tokens, cache_blocks=args.cache_blocks,
+                              max_num_seqs=args.max_num_seqs if own else 0,
+                              decode_ms_per_running_seq=args.decode_ms_per_running_seq if own else 0)
 
 
-def router_config(args: argparse.Namespace) -> dict[str, Any]:
+def router_config(args: argparse.Namespace, prefer_previous: bool = False) -> dict[str, Any]:
     """Two own providers with small limits and a third party; the pin inactivity timeout is the
     default 300 s compressed like the trace's time."""
     limits = {
@@ -180,7 +195,7 @@ def router_config(args: argparse.Namespace) -> dict[str, Any]:
     }
     own = [{"name": name, "kind": "managed", "cluster": name,
             "models": {MODEL: {"features": ["chat"], "limits": limits}}} for name in OWN]
-    return {
+    config: dict[str, Any] = {
         "pin_inactivity_timeout_seconds": 300 / args.speedup,
         "lease_timeout_seconds": 30,
         "redis": {"key_prefix": KEY_PREFIX},
@@ -189,6 +204,10 @@ def router_config(args: argparse.Namespace) -> dict[str, Any]:
         "providers": [*own, {"name": THIRD_PARTY, "kind": "unlimited", "cluster": THIRD_PARTY,
                              "models": {MODEL: {"features": ["chat"]}}}],
     }
+    if prefer_previous:
+        config["routing"] = {"prefer_previous_provider": {"enabled": True,
+                                                          "remember_seconds": args.remember_seconds}}
+    return config
 
 
 class Sampler:
@@ -237,7 +256,7 @@ async def replay(url: str, provider_urls: dict[str, str], redis_url: str | None,
 
         async def send(sample: Sample, start: float) -> None:
             request = requests[sample.index]
-            headers = {USER_HEADER: request.user, "content-type": "application/json"}
+            headers = {USER_HEADER: request.user, SESSION_HEADER: request.user, "content-type": "application/json"}
             sample.sent = loop.time() - start
             try:
                 async with http.post(url, data=request.body, headers=headers) as response:
@@ -276,11 +295,12 @@ def provider_stats(provider_urls: dict[str, str]) -> dict[str, dict]:
 
 
 def run_policy(policy: str, requests: list[TraceRequest], args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    """Start fresh providers (and the router or a plain Envoy), replay, and collect."""
+    """Start fresh providers (and the router, a plain Envoy or a peer), replay, and collect."""
     sim = simulation(args)
-    if policy == "router":
-        sims = {name: sim for name in (*OWN, THIRD_PARTY)}
-        with LocalGateway(config_data=router_config(args), simulations=sims, work_dir=work / policy) as gateway:
+    if policy in ROUTER_POLICIES:
+        sims = {name: sim for name in OWN} | {THIRD_PARTY: simulation(args, own=False)}
+        config = router_config(args, prefer_previous=policy == "router_prefer_previous")
+        with LocalGateway(config_data=config, simulations=sims, work_dir=work / policy) as gateway:
             urls = {name: gateway.provider_url(name) for name in (*OWN, THIRD_PARTY)}
             samples, sampler, wall = asyncio.run(replay(gateway.url, urls, gateway.redis_url, requests, args))
             stats = provider_stats(urls)
@@ -289,14 +309,17 @@ def run_policy(policy: str, requests: list[TraceRequest], args: argparse.Namespa
         providers = {name: start_simulator(name, sim, folder) for name in OWN}
         envoy = None
         try:
-            cluster = pool_cluster("own-pool", [providers[name].port for name in OWN], LB_POLICIES[policy])
-            bootstrap = plain_envoy_bootstrap(
-                free_port(), free_port(), {}, target_cluster="own-pool", extra_clusters=[cluster],
-                hash_header=USER_HEADER if policy == "ring_hash" else None)
-            envoy = start_envoy(bootstrap, folder, f"envoy-{policy}")
+            urls = {name: f"http://127.0.0.1:{providers[name].port}" for name in OWN}
+            if policy in PEERS_BY_NAME:
+                envoy = start_peer(PEERS_BY_NAME[policy], list(urls.values()), folder)
+            else:
+                cluster = pool_cluster("own-pool", [providers[name].port for name in OWN], LB_POLICIES[policy])
+                bootstrap = plain_envoy_bootstrap(
+                    free_port(), free_port(), {}, target_cluster="own-pool", extra_clusters=[cluster],
+                    hash_header=USER_HEADER if policy == "ring_hash" else None)
+                envoy = start_envoy(bootstrap, folder, f"envoy-{policy}")
             url = f"http://127.0.0.1:{envoy.port}"
             wait_http_ready(url + "/health")
-            urls = {name: f"http://127.0.0.1:{providers[name].port}" for name in OWN}
             for name in OWN:  # start every counter from zero
                 reset_stats(urls[name])
             samples, sampler, wall = asyncio.run(replay(url, urls, None, requests, args))
@@ -379,6 +402,27 @@ def needless_offloads(samples: list[Sample], requests: list[TraceRequest], sampl
     return out
 
 
+def moved_losses(ok: list[Sample], requests: list[TraceRequest], hits: list[int], block_tokens: int) -> tuple[int, int, int]:
+    """Reuse lost (oracle hits minus cached tokens, in tokens) by requests served on another
+    provider than their conversation's previous request: (all of them, those a new pin sent
+    there, i.e. the session's pin had expired and it pinned elsewhere, and the count of the
+    latter)."""
+    last: dict[str, str] = {}
+    moved = repinned = repinned_count = 0
+    for sample in sorted(ok, key=lambda s: s.sent):
+        user, provider = requests[sample.index].user, sample.info.get("provider", "")
+        previous = last.get(user)
+        last[user] = provider
+        if previous is None or previous == provider:
+            continue
+        missed = max(0, hits[sample.index] * block_tokens - sample.info.get("cached_tokens", 0))
+        moved += missed
+        if sample.info.get("reason") == "new_pin":
+            repinned += missed
+            repinned_count += 1
+    return moved, repinned, repinned_count
+
+
 def policy_figures(run: dict[str, Any], requests: list[TraceRequest], oracle_tokens: int,
                    args: argparse.Namespace) -> dict[str, Any]:
     samples: list[Sample] = run["samples"]
@@ -400,6 +444,7 @@ def policy_figures(run: dict[str, Any], requests: list[TraceRequest], oracle_tok
         where = s.info.get("provider", "?") + (f" ({s.info['reason']})" if s.info.get("reason") else "")
         missed = hits[s.index] * args.block_tokens - s.info.get("cached_tokens", 0)
         lost[where] = lost.get(where, 0) + missed
+    moved_lost, repinned_elsewhere_lost, repinned_elsewhere = moved_losses(ok, requests, hits, args.block_tokens)
     ttft = summarize_ms([(s.first - s.sent) * 1000 for s in ok if not math.isnan(s.first)])
     max_in_flight = {name: stats[name]["max_in_flight"] for name in OWN}
     over_samples = sum(1 for name in OWN for _, c in run["sampler"].in_flight[name] if c > args.max_in_flight)
@@ -422,6 +467,13 @@ def policy_figures(run: dict[str, Any], requests: list[TraceRequest], oracle_tok
         "reuse_lost_share_of_oracle_by_destination": {k: v / oracle_tokens for k, v in sorted(lost.items())}
         if oracle_tokens else {},
         "needless_offloads": len(needless),
+        "reuse_lost_share_of_oracle": 1 - cached_all / oracle_tokens if oracle_tokens else math.nan,
+        "reuse_lost_moved_share_of_oracle": moved_lost / oracle_tokens if oracle_tokens else math.nan,
+        "reuse_lost_repinned_elsewhere_share_of_oracle": repinned_elsewhere_lost / oracle_tokens
+        if oracle_tokens else math.nan,
+        "repinned_elsewhere_requests": repinned_elsewhere,
+        "queued_requests": sum(stats[name].get("queued_requests", 0) for name in OWN),
+        "max_waiting": max(stats[name].get("max_waiting", 0) for name in OWN),
         "max_in_flight": max_in_flight,
         "limit": args.max_in_flight,
         "breaches": sum(1 for v in max_in_flight.values() if v > args.max_in_flight),
@@ -438,13 +490,21 @@ def report(result: dict[str, Any]) -> None:
     for p in result["policies"]:
         rows.append([p["policy"], p["ok"], p["errors"], p["reuse_share_of_oracle"], p["own_reuse_share_of_oracle"],
                      p["third_party_requests"], p["third_party_decided"], p["needless_offloads"],
-                     f"{max(p['max_in_flight'].values())}/{p['limit']}", p["breaches"],
+                     f"{max(p['max_in_flight'].values())}/{p['limit']}", p["breaches"], p.get("queued_requests", "-"),
                      p["latency_p50_ms"], p["latency_p90_ms"], p["latency_p99_ms"], p["ttft_p50_ms"], p["ttft_p99_ms"]])
+    for name, reason in result.get("skipped_policies", {}).items():
+        print(f"policy {name} skipped: {reason}")
     print_table(
         f"Replay of {result['requests']} requests (oracle reuse {result['oracle_share']:.3f} of prompt tokens)",
         ["policy", "ok", "errors", "reuse/oracle", "own reuse/oracle", "3rd-party reqs", "3rd-party decided",
-         "needless offloads", "max in flight/limit", "providers breached", "p50 ms", "p90 ms", "p99 ms",
-         "TTFT p50 ms", "TTFT p99 ms"], rows)
+         "needless offloads", "max in flight/limit", "providers breached", "requests queued (own)", "p50 ms",
+         "p90 ms", "p99 ms", "TTFT p50 ms", "TTFT p99 ms"], rows)
+    print_table("Reuse lost against the oracle (share of the oracle's reused tokens)",
+                ["policy", "lost in all", "on another provider than the previous turn",
+                 "of which a new pin elsewhere (pin expired)", "requests re-pinned elsewhere"],
+                [[p["policy"], p.get("reuse_lost_share_of_oracle", "-"), p.get("reuse_lost_moved_share_of_oracle", "-"),
+                  p.get("reuse_lost_repinned_elsewhere_share_of_oracle", "-"), p.get("repinned_elsewhere_requests", "-")]
+                 for p in result["policies"]])
     lost_rows = [[p["policy"], where, share] for p in result["policies"]
             for where, share in p.get("reuse_lost_share_of_oracle_by_destination", {}).items() if share]
     print_table("Reuse lost against the oracle (share of the oracle's reused tokens), by destination",
@@ -456,7 +516,9 @@ def report(result: dict[str, Any]) -> None:
         name = p["policy"]
         for key in ("reuse_share_of_oracle", "own_reuse_share_of_oracle", "third_party_requests",
                     "third_party_decided", "needless_offloads", "breaches", "worst_excess", "errors",
-                    "latency_p50_ms", "latency_p90_ms", "latency_p99_ms", "ttft_p50_ms", "ttft_p99_ms"):
+                    "queued_requests", "reuse_lost_moved_share_of_oracle",
+                    "reuse_lost_repinned_elsewhere_share_of_oracle", "latency_p50_ms",
+                    "latency_p90_ms", "latency_p99_ms", "ttft_p50_ms", "ttft_p99_ms"):
             print_figure(f"{key}@{name}", p[key])
 
 
@@ -471,22 +533,23 @@ def plot(result: dict[str, Any], plot_dir: Path) -> list[Path]:
     plot_dir.mkdir(parents=True, exist_ok=True)
     policies = result["policies"]
     names = [p["policy"] for p in policies]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.8))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(15, 4.8))
     xs = range(len(names))
     left.bar([x - 0.2 for x in xs], [p["reuse_share_of_oracle"] for p in policies], 0.4, label="all providers")
     left.bar([x + 0.2 for x in xs], [p["own_reuse_share_of_oracle"] for p in policies], 0.4, label="own providers")
-    left.axhline(0.95, color="grey", linestyle=":", label="target 0.95")
-    left.set_xticks(list(xs), names)
+    left.axhline(0.98, color="grey", linestyle=":", label="target 0.98")
+    left.set_xticks(list(xs), names, rotation=30, ha="right", fontsize=8)
     left.set_ylabel("prefix tokens reused / oracle")
     left.set_ylim(0, 1.05)
     left.legend(loc="lower right", fontsize=8)
     left.set_title("Prefix-cache reuse")
-    for key, offset, label in (("latency_p50_ms", -0.2, "p50"), ("latency_p99_ms", 0.2, "p99")):
-        right.bar([x + offset for x in xs], [p[key] for p in policies], 0.4, label=f"latency {label}")
-    right.set_xticks(list(xs), names)
+    for key, offset, label in (("latency_p50_ms", -0.27, "latency p50"), ("latency_p99_ms", 0, "latency p99"),
+                               ("ttft_p99_ms", 0.27, "TTFT p99")):
+        right.bar([x + offset for x in xs], [p[key] for p in policies], 0.27, label=label)
+    right.set_xticks(list(xs), names, rotation=30, ha="right", fontsize=8)
     right.set_ylabel("ms")
     right.legend(fontsize=8)
-    right.set_title("Request latency")
+    right.set_title("Request latency and time to first token (own providers' capacity on)")
     fig.suptitle(f"Mooncake trace replay, {result['requests']} requests")
     fig.tight_layout()
     reuse = plot_dir / "replay_reuse.png"
@@ -515,12 +578,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--limit", type=int, default=2000, help="replay the first N requests")
     parser.add_argument("--speedup", type=float, default=10.0, help="time compression factor")
     parser.add_argument("--token-scale", type=float, default=1 / 32, help="token counts multiplied by this")
-    parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
+                        help=f"comma-separated, from {','.join(POLICIES)}")
     parser.add_argument("--cache-blocks", type=int, default=16384, help="LRU blocks per provider")
     parser.add_argument("--max-in-flight", type=int, default=6, help="own providers' global in-flight limit")
     parser.add_argument("--reserved", type=int, default=2, help="slots reserved for pinned sessions")
     parser.add_argument("--per-session", type=int, default=2, help="in-flight slots per session")
     parser.add_argument("--max-pins", type=int, default=400, help="pinned sessions per own provider")
+    parser.add_argument("--max-num-seqs", type=int, default=6,
+                        help="own providers' capacity: generations at once, the others wait (0: no limit)")
+    parser.add_argument("--decode-ms-per-running-seq", type=float, default=1.0,
+                        help="own providers: extra ms per token for every other generation running")
+    parser.add_argument("--remember-seconds", type=float,
+                        help="router_prefer_previous: how long a previous provider is remembered (s); "
+                             "default 3600 s of trace time, compressed like it")
     parser.add_argument("--ttft-ms", type=float, default=20.0)
     parser.add_argument("--per-token-ms", type=float, default=10.0)
     parser.add_argument("--prefill-ms-per-token", type=float, default=0.4, help="per uncached (scaled) token")
@@ -540,6 +611,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown:
         parser.error(f"unknown policies {sorted(unknown)}; choose from {list(POLICIES)}")
     args.block_tokens = max(1, round(512 * args.token_scale))
+    if args.remember_seconds is None:
+        args.remember_seconds = 3600 / args.speedup
     return args
 
 
@@ -574,8 +647,14 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "oracle_share": oracle_blocks / total_blocks if total_blocks else math.nan,
         "policies": [],
     }
+    result["skipped_policies"] = {}
     with tempfile.TemporaryDirectory(prefix="iris-bench-replay-") as tmp:
         for policy in args.policies:
+            reason = unavailable(PEERS_BY_NAME[policy]) if policy in PEERS_BY_NAME else None
+            if reason is not None:
+                print(f"skipping {policy}: {reason}", flush=True)
+                result["skipped_policies"][policy] = reason
+                continue
             print(f"replaying {len(requests)} requests with {policy} ...", flush=True)
             run = run_policy(policy, requests, args, Path(tmp))
             result["policies"].append(policy_figures(run, requests, result["oracle_reused_tokens"], args))

@@ -131,6 +131,28 @@ class DegradationSettings(_Strict):
 _HEADER_NAME = r"^[a-z0-9][a-z0-9_.-]*$"
 HeaderName = Annotated[str, Field(pattern=_HEADER_NAME)]
 
+
+class PreferPreviousProvider(_Strict):
+    """An option outside the spec, off by default: a session that has no pin (its pin expired
+    between turns) tries the provider of its previous pin first when it pins again, where its
+    prefix is most likely still cached. Only the order of the spec's candidates changes: the
+    previous provider moves to the front of its own kind (managed providers still come before
+    unlimited ones), it must be eligible (supports the request, not degraded), and the admission
+    applies every limit as always. The memory is this process's own: at most `max_sessions`
+    sessions (least recently routed forgotten first), each for `remember_seconds` after its
+    last pinned request; another replica that never routed the session follows the spec."""
+
+    enabled: bool = False
+    remember_seconds: float = Field(default=3600.0, gt=0)
+    max_sessions: int = Field(default=100_000, gt=0)
+
+
+class RoutingSettings(_Strict):
+    """Options of the routing algorithm beyond the spec (each off by default)."""
+
+    prefer_previous_provider: PreferPreviousProvider = PreferPreviousProvider()
+
+
 # What tells who a client is, or where it is, to a third party: never sent to unlimited providers.
 DEFAULT_PRIVATE_HEADERS = (
     "cookie", "x-forwarded-for", "forwarded", "x-real-ip", "true-client-ip", "x-client-ip",
@@ -302,6 +324,7 @@ class Config(_Strict):
     server: ServerSettings = ServerSettings()
     adaptation: AdaptationSettings = AdaptationSettings()
     degradation: DegradationSettings = DegradationSettings()
+    routing: RoutingSettings = RoutingSettings()
 
     def providers_in_priority_order(self) -> list[Provider]:
         """The spec's all_providers_in_priority_order(): managed providers first, then unlimited

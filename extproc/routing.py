@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from extproc.config import Config, Provider, ProviderKind
 from extproc.degraded import DegradedFlags
+from extproc.previous_provider import PreviousProviders
 from extproc.state import Admission, Lease, Pin, PinMatch, Result, RoutingState, new_id
 
 
@@ -102,6 +103,9 @@ Outcome = Decision | Rejection
 class Router:
     """The spec's execute_request and the functions it calls, over a RoutingState.
 
+    With `routing.prefer_previous_provider` enabled (off by default: the spec exactly), a session
+    without a pin tries its previous pin's provider first (`pin_order`).
+
     Every method may raise redis.exceptions.RedisError when Redis cannot be reached."""
 
     def __init__(self, config: Config, state: RoutingState, degraded: DegradedFlags):
@@ -110,6 +114,8 @@ class Router:
         self.degraded = degraded
         self._providers = config.providers_in_priority_order()
         self._by_name = {p.name: p for p in self._providers}
+        prefer = config.routing.prefer_previous_provider
+        self.previous = PreviousProviders(prefer.remember_seconds, prefer.max_sessions) if prefer.enabled else None
 
     async def execute_request(self, request: RoutingRequest, ids: Ids | None = None) -> Outcome:
         """Decide where `request` goes: the spec's execute_request, with its retry loop. `ids`:
@@ -122,9 +128,10 @@ class Router:
             return await self.execute_request_without_pinning(request, ids)
         for attempt in range(self.config.max_routing_attempts):
             if attempt == 0:  # get_pin fused with the admission the spec tries next: one round trip
-                eligible = [p.name for p in self.eligible(request)]
+                eligible = self.eligible(request)
+                order = [p.name for p in self.pin_order(request, eligible)]
                 pin, admission = await self.state.get_pin_and_try_admit(
-                    request.model, request.session_id, eligible, lease_id=ids.lease_id, pin_id=ids.pin_id
+                    request.model, request.session_id, order, lease_id=ids.lease_id, pin_id=ids.pin_id
                 )
             else:
                 pin, admission = await self.state.get_pin(request.model, request.session_id), None
@@ -133,6 +140,8 @@ class Router:
             else:
                 outcome = await self.execute_pinned_request(request, ids, pin, admission)
             if outcome is not RETRY_ROUTING:
+                if self.previous is not None and isinstance(outcome, Decision) and outcome.pin is not None:
+                    self.previous.remember(request.session_id, outcome.provider.name)
                 return outcome
         return Rejection(RejectionKind.UNAVAILABLE, "routing did not settle: the session's pin kept changing")
 
@@ -142,8 +151,8 @@ class Router:
     async def execute_not_yet_pinned_request(
         self, request: RoutingRequest, ids: Ids, first_admission: Admission | None = None
     ) -> Outcome | _Retry:
-        """`first_admission`: the first eligible provider's answer, when already fetched."""
-        for index, provider in enumerate(self.eligible(request)):
+        """`first_admission`: the first candidate's answer, when already fetched."""
+        for index, provider in enumerate(self.pin_order(request)):
             if index == 0 and first_admission is not None:
                 admission = first_admission
             else:
@@ -249,6 +258,22 @@ class Router:
     def eligible(self, request: RoutingRequest) -> list[Provider]:
         """Providers in priority order that support the request and are not degraded."""
         return [p for p in self._providers if self._fits(p, request)]
+
+    def pin_order(self, request: RoutingRequest, eligible: list[Provider] | None = None) -> list[Provider]:
+        """The order in which a session without a pin tries to pin: `eligible` (default: computed),
+        unless `routing.prefer_previous_provider` is on and the session was pinned to one of them
+        before; that provider then moves to the front of the providers of its kind (managed ones
+        still first). The same providers either way: only their order changes."""
+        if eligible is None:
+            eligible = self.eligible(request)
+        if self.previous is None or request.session_id is None:
+            return eligible
+        previous = self.previous.get(request.session_id)
+        for provider in eligible:
+            if provider.name == previous:
+                front = next(i for i, p in enumerate(eligible) if p.kind is provider.kind)
+                return [*eligible[:front], provider, *(p for p in eligible[front:] if p is not provider)]
+        return eligible
 
 
 _FEATURE_PARAMS = {"tools": "tools", "vision": "messages", "json_schema": "response_format"}
