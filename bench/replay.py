@@ -84,7 +84,7 @@ OWN = ("iris-1", "iris-2")
 THIRD_PARTY = "tensorx"
 ROUTER_POLICIES = ("router", "router_prefer_previous")
 POLICIES = (*ROUTER_POLICIES, "round_robin", "least_request", "ring_hash", *(p.name for p in PEERS))
-DEFAULT_POLICIES = ("router", "round_robin", "least_request", "ring_hash", *(p.name for p in PEERS))
+
 LB_POLICIES = {"round_robin": "ROUND_ROBIN", "least_request": "LEAST_REQUEST", "ring_hash": "RING_HASH"}
 USER_HEADER = "x-user-id"
 KEY_PREFIX = "replay"
@@ -402,13 +402,15 @@ def needless_offloads(samples: list[Sample], requests: list[TraceRequest], sampl
     return out
 
 
-def moved_losses(ok: list[Sample], requests: list[TraceRequest], hits: list[int], block_tokens: int) -> tuple[int, int, int]:
+def moved_losses(ok: list[Sample], requests: list[TraceRequest], hits: list[int],
+                 block_tokens: int) -> tuple[int, int, dict[str, int]]:
     """Reuse lost (oracle hits minus cached tokens, in tokens) by requests served on another
     provider than their conversation's previous request: (all of them, those a new pin sent
     there, i.e. the session's pin had expired and it pinned elsewhere, and the count of the
-    latter)."""
+    latter by move, "previous->new" provider)."""
     last: dict[str, str] = {}
-    moved = repinned = repinned_count = 0
+    moved = repinned = 0
+    moves: dict[str, int] = {}
     for sample in sorted(ok, key=lambda s: s.sent):
         user, provider = requests[sample.index].user, sample.info.get("provider", "")
         previous = last.get(user)
@@ -419,8 +421,8 @@ def moved_losses(ok: list[Sample], requests: list[TraceRequest], hits: list[int]
         moved += missed
         if sample.info.get("reason") == "new_pin":
             repinned += missed
-            repinned_count += 1
-    return moved, repinned, repinned_count
+            moves[f"{previous}->{provider}"] = moves.get(f"{previous}->{provider}", 0) + 1
+    return moved, repinned, moves
 
 
 def policy_figures(run: dict[str, Any], requests: list[TraceRequest], oracle_tokens: int,
@@ -471,7 +473,8 @@ def policy_figures(run: dict[str, Any], requests: list[TraceRequest], oracle_tok
         "reuse_lost_moved_share_of_oracle": moved_lost / oracle_tokens if oracle_tokens else math.nan,
         "reuse_lost_repinned_elsewhere_share_of_oracle": repinned_elsewhere_lost / oracle_tokens
         if oracle_tokens else math.nan,
-        "repinned_elsewhere_requests": repinned_elsewhere,
+        "repinned_elsewhere_requests": sum(repinned_elsewhere.values()),
+        "repinned_elsewhere_by_move": repinned_elsewhere,
         "queued_requests": sum(stats[name].get("queued_requests", 0) for name in OWN),
         "max_waiting": max(stats[name].get("max_waiting", 0) for name in OWN),
         "max_in_flight": max_in_flight,
@@ -501,9 +504,10 @@ def report(result: dict[str, Any]) -> None:
          "p90 ms", "p99 ms", "TTFT p50 ms", "TTFT p99 ms"], rows)
     print_table("Reuse lost against the oracle (share of the oracle's reused tokens)",
                 ["policy", "lost in all", "on another provider than the previous turn",
-                 "of which a new pin elsewhere (pin expired)", "requests re-pinned elsewhere"],
+                 "of which a new pin elsewhere (pin expired)", "requests re-pinned elsewhere", "by move"],
                 [[p["policy"], p.get("reuse_lost_share_of_oracle", "-"), p.get("reuse_lost_moved_share_of_oracle", "-"),
-                  p.get("reuse_lost_repinned_elsewhere_share_of_oracle", "-"), p.get("repinned_elsewhere_requests", "-")]
+                  p.get("reuse_lost_repinned_elsewhere_share_of_oracle", "-"), p.get("repinned_elsewhere_requests", "-"),
+                  ", ".join(f"{k} {v}" for k, v in sorted(p.get("repinned_elsewhere_by_move", {}).items())) or "-"]
                  for p in result["policies"]])
     lost_rows = [[p["policy"], where, share] for p in result["policies"]
             for where, share in p.get("reuse_lost_share_of_oracle_by_destination", {}).items() if share]
@@ -578,7 +582,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--limit", type=int, default=2000, help="replay the first N requests")
     parser.add_argument("--speedup", type=float, default=10.0, help="time compression factor")
     parser.add_argument("--token-scale", type=float, default=1 / 32, help="token counts multiplied by this")
-    parser.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
+    parser.add_argument("--policies", default=",".join(POLICIES),
                         help=f"comma-separated, from {','.join(POLICIES)}")
     parser.add_argument("--cache-blocks", type=int, default=16384, help="LRU blocks per provider")
     parser.add_argument("--max-in-flight", type=int, default=6, help="own providers' global in-flight limit")

@@ -38,6 +38,15 @@ def header_map(headers: HttpHeaders) -> dict[str, str]:
     return out
 
 
+def header_value(headers: HttpHeaders, name: str) -> str | None:
+    """The value of header `name` (lowercase) of a ProcessingRequest phase, or None; the first
+    one when repeated. Reads only up to that header, where `header_map` decodes them all."""
+    for header in headers.headers.headers:
+        if header.key == name or header.key.lower() == name:
+            return header.raw_value.decode("utf-8", "replace") if header.raw_value else header.value
+    return None
+
+
 def header_mutation(set_headers: dict[str, str] | None = None, remove: list[str] | None = None) -> HeaderMutation:
     """A HeaderMutation that overwrites `set_headers` and removes `remove`."""
     return HeaderMutation(

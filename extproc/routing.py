@@ -127,16 +127,17 @@ class Router:
         if request.session_id is None:
             return await self.execute_request_without_pinning(request, ids)
         for attempt in range(self.config.max_routing_attempts):
+            order = None
             if attempt == 0:  # get_pin fused with the admission the spec tries next: one round trip
-                eligible = self.eligible(request)
-                order = [p.name for p in self.pin_order(request, eligible)]
+                order = self.pin_order(request)
+                names = [p.name for p in order]
                 pin, admission = await self.state.get_pin_and_try_admit(
-                    request.model, request.session_id, order, lease_id=ids.lease_id, pin_id=ids.pin_id
+                    request.model, request.session_id, names, lease_id=ids.lease_id, pin_id=ids.pin_id
                 )
             else:
                 pin, admission = await self.state.get_pin(request.model, request.session_id), None
             if pin is None:
-                outcome = await self.execute_not_yet_pinned_request(request, ids, admission)
+                outcome = await self.execute_not_yet_pinned_request(request, ids, admission, order)
             else:
                 outcome = await self.execute_pinned_request(request, ids, pin, admission)
             if outcome is not RETRY_ROUTING:
@@ -149,10 +150,12 @@ class Router:
         return await self.execute_temporary_fallback(request, ids, excluded_provider=None)
 
     async def execute_not_yet_pinned_request(
-        self, request: RoutingRequest, ids: Ids, first_admission: Admission | None = None
+        self, request: RoutingRequest, ids: Ids, first_admission: Admission | None = None,
+        order: list[Provider] | None = None,
     ) -> Outcome | _Retry:
-        """`first_admission`: the first candidate's answer, when already fetched."""
-        for index, provider in enumerate(self.pin_order(request)):
+        """`first_admission`: the first candidate's answer, when already fetched, with `order`,
+        the candidates it was fetched for (default: `pin_order` computed now)."""
+        for index, provider in enumerate(order if order is not None else self.pin_order(request)):
             if index == 0 and first_admission is not None:
                 admission = first_admission
             else:

@@ -261,9 +261,8 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
         return msg.immediate_json(503, body, headers, metadata=metadata)
 
     def _on_response_headers(self, stream: StreamState, request: ProcessingRequest) -> ProcessingResponse:
-        headers = msg.header_map(request.response_headers)
         try:
-            stream.status = int(headers.get(":status", "0"))
+            stream.status = int(msg.header_value(request.response_headers, ":status") or "0")
         except ValueError:
             stream.status = 0
         if self.health is not None and stream.decision is not None:
@@ -273,7 +272,8 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
             extra = {"x-iris-provider": stream.decision.provider.name, "x-iris-route-reason": stream.decision.reason.value}
         read_body = None
         readable = stream.decision is not None and stream.reads_response_id and not self.leases.breaker.is_open
-        if readable and 200 <= stream.status < 300:
+        if readable and 200 <= stream.status < 300:  # a Responses answer: its other headers count too
+            headers = msg.header_map(request.response_headers)
             event_stream = headers.get("content-type", "").startswith("text/event-stream")
             if not headers.get("content-encoding"):  # a compressed body is not read: no chain recorded
                 stream.reader = ResponseIdReader(event_stream)

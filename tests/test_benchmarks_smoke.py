@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from bench.common import default_trace_path, percentile, plain_envoy_bootstrap, pool_cluster
-from bench.replay import TraceRequest, messages_for, oracle_reused_blocks
+from bench.peers import PEERS, Peer, unavailable
+from bench.replay import POLICIES, TraceRequest, messages_for, oracle_reused_blocks
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -68,6 +69,15 @@ def test_overhead_prints_every_figure(tmp_path):
         for path in ("plain", "gateway"):
             assert entry[path]["ok"] > 0 and entry[path]["latencies_ms"]
     assert result["saturation"]["gateway"]["ok"] > 0
+    # every peer is either measured like the other paths or skipped with its reason
+    for peer in PEERS:
+        measured = peer.name in result["paths"]
+        assert measured != (peer.name in result["skipped_peers"]), peer.name
+        if measured:
+            assert all(entry[peer.name]["ok"] > 0 for entry in result["rates"])
+            assert f"saturation_rps:{peer.name}" in figures
+        else:
+            assert result["skipped_peers"][peer.name] == unavailable(peer)
     assert report_again("overhead", tmp_path) == set(figures)
 
 
@@ -100,11 +110,15 @@ def test_replay_prints_every_figure(tmp_path):
         args = ["--trace", str(write_small_trace(tmp_path / "trace.jsonl"))]
     figures, result = run_bench("replay", tmp_path, *args)
     names = ["oracle_reused_tokens", "oracle_share_of_prompt_tokens"]
-    for policy in ("router", "round_robin", "least_request", "ring_hash"):
+    measured = [p["policy"] for p in result["policies"]]
+    assert set(measured) | set(result["skipped_policies"]) == set(POLICIES)
+    assert set(result["skipped_policies"]) <= {peer.name for peer in PEERS}
+    for policy in measured:
         names += [f"{key}@{policy}" for key in (
             "reuse_share_of_oracle", "own_reuse_share_of_oracle", "third_party_requests", "third_party_decided",
             "needless_offloads", "breaches", "worst_excess", "errors", "latency_p50_ms", "latency_p90_ms",
-            "latency_p99_ms", "ttft_p50_ms", "ttft_p99_ms")]
+            "latency_p99_ms", "ttft_p50_ms", "ttft_p99_ms", "queued_requests", "reuse_lost_moved_share_of_oracle",
+            "reuse_lost_repinned_elsewhere_share_of_oracle")]
     assert_numbers(figures, names)
     for policy in result["policies"]:
         assert policy["ok"] > 0
@@ -164,3 +178,8 @@ def test_percentile_interpolates():
     assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
     assert percentile([5.0], 99) == 5.0
     assert math.isnan(percentile([], 50))
+
+
+def test_a_peer_that_is_not_installed_is_reported_not_started():
+    missing = Peer("nothing", "no-such-router-program", "round_robin", "warn")
+    assert "no-such-router-program" in unavailable(missing)
