@@ -72,15 +72,14 @@ def selected_peers(spec: str) -> tuple[list[str], dict[str, str]]:
 def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     """Start every path over one upstream and run every load; returns the result document."""
     sims = {name: ZERO_DELAY for name in ("iris-1", "iris-2", "tensorx")}
-    metrics_port = free_port()
-    metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
-    config = roomy_config(metrics_listen=f"127.0.0.1:{metrics_port}")
+    config = roomy_config()
     peers, skipped = selected_peers(args.peers)
     for name, reason in skipped.items():
         print(f"skipping peer {name}: {reason}", flush=True)
     extproc_args = ["--workers", str(args.workers)] if args.workers > 1 else []
     with LocalGateway(config_data=config, simulations=sims, work_dir=work / "gateway", extproc_args=extproc_args,
                       envoy_concurrency=args.envoy_concurrency) as gateway:
+        metrics_url = gateway.running[0].metrics_url  # worker 0's with --workers
         upstream = gateway.providers["iris-1"].port
         bootstrap = plain_envoy_bootstrap(free_port(), free_port(), {"iris-1": upstream}, target_cluster="iris-1")
         started: list[ManagedProcess] = [start_envoy(bootstrap, work, "envoy-plain")]
