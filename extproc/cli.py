@@ -5,6 +5,7 @@
     iris-extproc drain PROVIDER [--model M]   mark a provider degraded by hand
     iris-extproc undrain PROVIDER [--model M] clear that mark (automatic flags stay)
     iris-extproc status [--json]              per pair: in-flight/limit, pins/limit, state and why
+    iris-extproc check --config F --envoy F   does the routing config agree with the Envoy file?
 """
 
 from __future__ import annotations
@@ -14,16 +15,21 @@ import asyncio
 import logging
 import signal
 import sys
+from pathlib import Path
 
+from extproc import envoy_check
 from extproc.config import Config, ConfigError, load_config
 from extproc.degraded import DEFAULT_MANUAL_TTL_SECONDS, MANUAL, DegradedFlags
+from extproc.envoy_check import EnvoyConfigError
 from extproc.redis_client import open_redis
 
 log = logging.getLogger("iris-extproc")
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point; returns the exit code (2 for a bad configuration)."""
+    """Entry point; returns the exit code: 1 when `check` finds the pair in disagreement, 2 for a
+    configuration or Envoy file that is missing, unreadable, invalid or in disagreement at start.
+    Such errors are printed without a traceback (a bad routing config: one line per problem)."""
     args = _parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -31,6 +37,29 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 2
+    except EnvoyConfigError as exc:
+        print(f"iris-extproc: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        if exc.filename is None:
+            raise
+        print(f"iris-extproc: cannot read {exc.filename}: {exc.strerror}", file=sys.stderr)
+        return 2
+
+
+class PairDisagrees(Exception):
+    """The routing config and the Envoy file disagree; `problems` holds one sentence each."""
+
+    def __init__(self, config_path: str, envoy_path: str, problems: list[str]):
+        self.problems = problems
+        super().__init__(f"{config_path} and {envoy_path} disagree:\n  " + "\n  ".join(problems))
+
+
+def check_pair(config: Config, config_path: str, envoy_path: str) -> None:
+    """Run envoy_check on the pair. Raises PairDisagrees, EnvoyConfigError."""
+    problems = envoy_check.check_files(config, envoy_path)
+    if problems:
+        raise PairDisagrees(config_path, envoy_path, problems)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -40,13 +69,20 @@ def _parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser("serve", help="run the ext_proc gRPC server")
     serve.add_argument("--config", required=True)
+    serve.add_argument("--envoy", help="the Envoy file this server runs behind: checked at start and at every reload")
     serve.add_argument("--event-loop", choices=["uvloop", "asyncio"], default="uvloop")
     serve.add_argument("--workers", type=int, default=1, help="worker processes sharing the port (SO_REUSEPORT)")
     serve.add_argument("--worker-index", type=int, default=None, help=argparse.SUPPRESS)
     serve.set_defaults(func=_serve)
 
+    check = commands.add_parser("check", help="check that a routing config and an Envoy file agree")
+    check.add_argument("--config", required=True)
+    check.add_argument("--envoy", required=True)
+    check.set_defaults(func=_check)
+
     up = commands.add_parser("up", help="start a local gateway: Redis, Envoy, ext_proc and simulated providers")
     up.add_argument("--config", help="routing config (default: envoy/example-config.yaml)")
+    up.add_argument("--envoy", help="Envoy file (default: envoy/envoy.yaml); its ports are moved onto free ones")
     up.add_argument("--demo", action="store_true", help="drive a multi-turn conversation through it, then keep running")
     up.add_argument("--exit-after-demo", action="store_true", help="with --demo: stop once the conversation is done")
     up.set_defaults(func=_up)
@@ -79,17 +115,40 @@ def _serve(args) -> int:
     if args.workers > 1 and args.worker_index is None:
         from extproc.workers import supervise, worker_command
 
-        return supervise(worker_command(args.config, args.event_loop, args.log_level), args.workers)
+        if args.envoy:
+            try:
+                check_pair(config, args.config, args.envoy)
+            except PairDisagrees as exc:
+                print(f"iris-extproc: {exc}", file=sys.stderr)
+                return 2
+        return supervise(worker_command(args.config, args.event_loop, args.log_level, args.envoy), args.workers)
     if args.worker_index and config.server.metrics_listen:
         from extproc.workers import worker_metrics_listen
 
         server = config.server.model_copy(update={"metrics_listen": worker_metrics_listen(config.server.metrics_listen, args.worker_index)})
         config = config.model_copy(update={"server": server})
     try:
-        run_event_loop(serve(config), args.event_loop)
-    except (SecretMissing, CredentialError) as exc:
+        if args.envoy:
+            check_pair(config, args.config, args.envoy)
+        run_event_loop(serve(config, config_path=args.config, envoy_path=args.envoy), args.event_loop)
+    except (SecretMissing, CredentialError, PairDisagrees) as exc:
         print(f"iris-extproc: {exc}", file=sys.stderr)
         return 2
+    return 0
+
+
+def _check(args) -> int:
+    """Print whether the pair agrees; exit code 1 when it does not."""
+    config = load_config(args.config)
+    try:
+        check_pair(config, args.config, args.envoy)
+    except PairDisagrees as exc:
+        print(exc)
+        return 1
+    print(
+        f"ok: {args.config} and {args.envoy} agree ({len(config.providers)} providers, "
+        f"routing header {config.server.routing_header}, ext_proc on {config.server.listen})"
+    )
     return 0
 
 
@@ -107,11 +166,26 @@ def run_event_loop(main, event_loop: str) -> None:
 def _up(args) -> int:
     import yaml
 
+    from extproc.resources import envoy_yaml, example_config
     from irislab.local_gateway import LocalGateway, ProviderSimulation
+    from irislab.processes import ProcessError
 
-    data = yaml.safe_load(open(args.config)) if args.config else None
+    config_path = args.config or str(example_config())
+    envoy_path = args.envoy or str(envoy_yaml())
+    config = load_config(config_path)
+    try:
+        check_pair(config, config_path, envoy_path)
+    except PairDisagrees as exc:
+        print(f"iris-extproc: nothing started: {exc}", file=sys.stderr)
+        return 2
+    data = yaml.safe_load(open(config_path, encoding="utf-8"))
     simulation = ProviderSimulation(ttft_ms=30, per_token_ms=10, block_tokens=16)
-    with LocalGateway(config_data=data, default_simulation=simulation) as gateway:
+    try:
+        gateway = LocalGateway(config_data=data, default_simulation=simulation, envoy_source=Path(envoy_path)).__enter__()
+    except ProcessError as exc:  # __enter__ stopped whatever it had started
+        print(f"iris-extproc: the local gateway did not start, everything it started is stopped: {exc}", file=sys.stderr)
+        return 1
+    try:
         print(f"gateway up: {gateway.url}/v1  (Redis {gateway.redis_url}, logs in {gateway.work_dir})", flush=True)
         if args.demo:
             from irislab.demo import run_demo
@@ -121,6 +195,8 @@ def _up(args) -> int:
                 return 0
         print("press Ctrl-C to stop", flush=True)
         _wait_for_signal()
+    finally:
+        gateway.stop()
     return 0
 
 

@@ -352,14 +352,17 @@ class Config(_Strict):
 def load_config(path: str | os.PathLike[str]) -> Config:
     """Read and validate a YAML configuration file.
 
-    Raises ConfigError listing every problem (schema and cross-field checks), or OSError when the
-    file cannot be read.
+    Raises ConfigError listing every problem (schema and cross-field checks, YAML syntax, text
+    that is not UTF-8), or OSError (with its `filename`) when the file cannot be read.
     """
-    text = Path(path).read_text(encoding="utf-8")
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(str(path), ["<file>: not UTF-8 text"]) from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise ConfigError(str(path), [f"<file>: not valid YAML: {exc}"]) from None
+        raise ConfigError(str(path), [f"<file>: not valid YAML: {' '.join(str(exc).split())}"]) from None
     return parse_config(data, source=str(path))
 
 

@@ -4,7 +4,8 @@ Each worker is a full `iris-extproc serve` process: its own event loop, Redis co
 lease table and instance id in the instance registry (so the outage policy's N counts workers).
 They share `server.listen` through SO_REUSEPORT (the kernel spreads new connections over them;
 one Envoy connection stays on one worker). This supervisor only starts them, forwards SIGTERM
-or SIGINT to every worker (each drains as a single server does) and exits 0 once all exited 0.
+or SIGINT to every worker (each drains as a single server does) and exits 0 once all exited 0;
+it forwards SIGHUP (each worker reloads the routing config: extproc.reload).
 A worker that exits on its own stops the others: the supervisor then exits with its code (or 1),
 so the process manager (Kubernetes, systemd) restarts the whole set.
 
@@ -42,8 +43,14 @@ def supervise(worker_argv: list[str], workers: int) -> int:
             if child.poll() is None:
                 child.send_signal(signal.SIGTERM)
 
+    def reload(signum, _frame) -> None:
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signal.SIGHUP)
+
     children: list[subprocess.Popen] = []
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, reload)
     try:
         for index in range(workers):
             children.append(subprocess.Popen([*worker_argv, "--worker-index", str(index)]))
@@ -66,7 +73,7 @@ def supervise(worker_argv: list[str], workers: int) -> int:
             signal.signal(sig, handler)
 
 
-def worker_command(config_path: str, event_loop: str, log_level: str) -> list[str]:
-    """The command line of one worker (without its index)."""
+def worker_command(config_path: str, event_loop: str, log_level: str, envoy_path: str | None = None) -> list[str]:
+    """The command line of one worker (without its index); `envoy_path`: its `--envoy`."""
     return [sys.executable, "-m", "extproc.cli", "--log-level", log_level, "serve", "--config", config_path,
-            "--event-loop", event_loop]
+            "--event-loop", event_loop, *(["--envoy", envoy_path] if envoy_path else [])]

@@ -19,12 +19,17 @@ from urllib.parse import urlsplit, urlunsplit
 
 import yaml
 
+from extproc import envoy_check
 from extproc.config import Config, Provider, parse_config
 from extproc.resources import example_config
 from irislab import envoy_config
-from irislab.processes import ManagedProcess, envoy_binary, free_port, spawn, start_redis, wait_for_port
+from irislab.processes import ManagedProcess, ProcessError, envoy_binary, free_port, spawn, start_redis, wait_for_port
 
 EXAMPLE_CONFIG = example_config()
+
+
+class GatewayConfigError(ProcessError):
+    """The routing config and the Envoy file disagree (extproc.envoy_check): nothing was started."""
 
 
 @dataclass
@@ -115,6 +120,7 @@ class LocalGateway:
         self.providers: dict[str, ManagedProcess] = {}
         self.running: list[Instance] = []
         self.config: Config | None = None
+        self._started: list[ManagedProcess] = []  # every process started, in order, for stop()
 
     def __enter__(self) -> LocalGateway:
         try:
@@ -137,12 +143,20 @@ class LocalGateway:
 
     def start(self) -> None:
         """Start Redis (unless `redis_url` was given, or the config names a Redis Cluster or
-        Sentinel: those are used as they are), the providers, then each instance."""
+        Sentinel: those are used as they are), the providers, then each instance.
+
+        Raises GatewayConfigError before starting anything when the routing config and the Envoy
+        file disagree (ports aside: they are all moved here), config.ConfigError for a bad
+        routing config, ProcessError when a process does not start (call stop() to stop the
+        others; the context manager does)."""
         data = yaml.safe_load(EXAMPLE_CONFIG.read_text()) if self.config_data is None else self.config_data
         self.config = parse_config(data)
+        problems = envoy_check.check_files(self.config, self.envoy_source, addresses=False)
+        if problems:
+            raise GatewayConfigError("; ".join(problems))
         external = self.config.redis.cluster is not None or self.config.redis.sentinel is not None
         if self.redis_url is None and not external:
-            self.redis = start_redis(self.work_dir / "redis")
+            self.redis = self._track(start_redis(self.work_dir / "redis"))
             self.redis_url = f"redis://127.0.0.1:{self.redis.port}/0"
         for provider in self.config.providers:
             self.providers[provider.name] = self._start_simulator(provider.name)
@@ -152,15 +166,16 @@ class LocalGateway:
             wait_for_port(process.port, process=process.popen)
 
     def stop(self) -> None:
-        """Stop everything, newest first."""
-        for instance in reversed(self.running):
-            instance.envoy.stop()
-            instance.extproc.stop()
-        for process in self.providers.values():
+        """Stop every process this gateway started, newest first, including those of an
+        instance whose start failed half-way."""
+        for process in reversed(self._started):
             process.stop()
-        if self.redis is not None:
-            self.redis.stop()
+        self._started.clear()
         self.running.clear()
+
+    def _track(self, process: ManagedProcess) -> ManagedProcess:
+        self._started.append(process)
+        return process
 
     def stop_redis(self) -> None:
         """Stop the gateway's Redis (an outage). Its state is gone: it runs without persistence."""
@@ -168,7 +183,7 @@ class LocalGateway:
 
     def start_redis_again(self) -> None:
         """Start a new, empty Redis on the same port (a restart without persistence)."""
-        self.redis = start_redis(self.work_dir / "redis", port=self.redis.port)
+        self.redis = self._track(start_redis(self.work_dir / "redis", port=self.redis.port))
 
     def extproc_env(self) -> dict[str, str]:
         return {**os.environ, "IRIS_SESSION_SECRET": self.secret, **self.env}
@@ -189,7 +204,7 @@ class LocalGateway:
             argv += ["--api-key-env", key_env]
         if sim.tls_cert is not None:
             argv += ["--tls-cert", str(sim.tls_cert), "--tls-key", str(sim.tls_key)]
-        process = spawn(f"provider-{name}", argv, self.work_dir, env=env)
+        process = self._track(spawn(f"provider-{name}", argv, self.work_dir, env=env))
         process.port = port
         return process
 
@@ -233,25 +248,36 @@ class LocalGateway:
         config["providers"] = self._checks_on_simulators(data, index)
         config_path = self.work_dir / f"routing-{index}.yaml"
         config_path.write_text(yaml.safe_dump(config, sort_keys=False))
-        extproc = spawn(
-            f"extproc-{index}",
-            [sys.executable, "-m", "extproc.cli", "serve", "--config", str(config_path), *self.extproc_args],
-            self.work_dir,
-            env=self.extproc_env(),
-        )
-        extproc.port = grpc_port
         cluster_ports = {"extproc": grpc_port}
         for provider in self.config.providers:
             cluster_ports[provider.cluster] = self.providers[provider.name].port
         bootstrap = envoy_config.render(listener_port, admin_port, cluster_ports, source=self.envoy_source)
         envoy_path = envoy_config.write(bootstrap, self.work_dir / f"envoy-{index}.yaml")
-        wait_for_port(grpc_port, process=extproc.popen)
-        envoy = spawn(
+        # `serve --envoy` checks the pair again, addresses included, as a deployment would.
+        extproc = self._track(spawn(
+            f"extproc-{index}",
+            [sys.executable, "-m", "extproc.cli", "serve", "--config", str(config_path), "--envoy", str(envoy_path), *self.extproc_args],
+            self.work_dir,
+            env=self.extproc_env(),
+        ))
+        extproc.port = grpc_port
+        _wait_until_up(extproc)
+        envoy = self._track(spawn(
             f"envoy-{index}",
             [envoy_binary(), "-c", str(envoy_path), "-l", "warning", "--concurrency", str(self.envoy_concurrency), "--disable-hot-restart",
              "--file-flush-interval-msec", "200"],  # the access log within 0.2 s, not Envoy's default 10 s
             self.work_dir,
-        )
+        ))
         envoy.port = listener_port
-        wait_for_port(listener_port, process=envoy.popen)
+        _wait_until_up(envoy)
         return Instance(index, envoy, extproc, listener_port, admin_port, config_path, metrics_port)
+
+
+def _wait_until_up(process: ManagedProcess) -> None:
+    """Wait for `process` to listen on its port. Raises ProcessError naming it, with the last
+    line of its log (for `iris-extproc serve`: its one-line error)."""
+    try:
+        wait_for_port(process.port, process=process.popen)
+    except ProcessError as exc:
+        lines = process.log_tail(2000).strip().splitlines()
+        raise ProcessError(f"{process.name} did not start ({exc}): {lines[-1] if lines else 'no output'}") from None
