@@ -310,6 +310,7 @@ class ServerSettings(_Strict):
     degraded_refresh_seconds: float = Field(default=1.0, gt=0)
     decision_timeout_seconds: float = Field(default=2.0, gt=0)
     metrics_listen: str | None = None
+    reload_poll_seconds: float = Field(default=1.0, ge=0)  # 0: reload on SIGHUP only
 
 
 class Config(_Strict):

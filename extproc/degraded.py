@@ -56,18 +56,20 @@ class DegradedFlags:
     def __init__(self, redis: Redis, config: Config):
         self.redis = redis
         self.keys = Keyspace(config.redis.key_prefix)
-        self._pairs = [
-            (p.name, model)
-            for p in config.providers
-            if p.kind is ProviderKind.MANAGED
-            for model in p.models
-        ]
-        # Per model: the (provider, source) of each of its flag keys.
-        self._by_model: dict[str, list[tuple[str, str]]] = {}
-        for provider, model in self._pairs:
-            self._by_model.setdefault(model, []).extend((provider, source) for source in SOURCES)
         self._flags: dict[tuple[str, str], dict[str, str]] = {}
         self._writes = 0  # local set/clear calls so far: a refresh begun before one is stale
+        self.reconfigure(config)
+
+    def reconfigure(self, config: Config) -> None:
+        """Follow a reloaded config's managed pairs (extproc.reload); the snapshot is kept until
+        the next refresh reads the new pairs' flags."""
+        pairs = [(p.name, model) for p in config.providers if p.kind is ProviderKind.MANAGED for model in p.models]
+        # Per model: the (provider, source) of each of its flag keys.
+        by_model: dict[str, list[tuple[str, str]]] = {}
+        for provider, model in pairs:
+            by_model.setdefault(model, []).extend((provider, source) for source in SOURCES)
+        self._pairs, self._by_model = pairs, by_model
+        self._writes += 1  # a refresh under way read the old pairs: drop it
 
     def is_degraded(self, provider: str, model: str) -> bool:
         """From the last snapshot; never touches Redis."""

@@ -27,6 +27,20 @@ METADATA_NAMESPACE = "iris.routing"
 """The dynamic metadata namespace of the router's answers (envoy/envoy.yaml accepts it in the
 ext_proc filter's metadata_options.receiving_namespaces and prints it in the access log)."""
 
+# The closed set of `code` values a client can get from the gateway itself: the router's answers
+# (extproc) and Envoy's local replies (envoy/envoy.yaml local_reply_config, the route's
+# direct_response). A provider's own error answers pass through as the provider wrote them.
+ROUTER_ERROR_CODES = frozenset({
+    "unknown_url", "method_not_allowed", "missing_body", "invalid_header", "request_too_large", "invalid_json",
+    "missing_model", "invalid_type", "model_not_found", "unsupported_feature", "capacity_exceeded",
+    "no_provider_available", "routing_unavailable", "internal_error",
+})
+ENVOY_ERROR_CODES = frozenset({
+    "request_too_large", "headers_too_large", "request_timeout", "upstream_timeout", "upstream_unavailable",
+    "internal_error", "invalid_request", "no_route",
+})
+CLIENT_ERROR_CODES = ROUTER_ERROR_CODES | ENVOY_ERROR_CODES
+
 
 def header_map(headers: HttpHeaders) -> dict[str, str]:
     """The headers of a ProcessingRequest phase as a dict of lowercase name -> value. Envoy sends
@@ -152,6 +166,12 @@ def model_list_body(models: list[str], created: int) -> bytes:
 def model_body(model: str, model_list: bytes) -> bytes:
     """One entry of `model_list` (a model_list_body answer): `GET /v1/models/<model>`."""
     return orjson.dumps(next(entry for entry in orjson.loads(model_list)["data"] if entry["id"] == model))
+
+
+def internal_error() -> ProcessingResponse:
+    """The generic 500 of the last-resort handler: nothing of the failure reaches the client."""
+    body = openai_error_body("the gateway failed to process the request", "server_error", "internal_error")
+    return immediate_json(500, body, details="iris_internal_error")
 
 
 def immediate_json(

@@ -65,6 +65,7 @@ class Held:
     decision: Decision
     local: bool
     epoch: str | None
+    state: RoutingState | None = None  # the config's it was admitted under (extproc.reload); None: the table's
     lost: asyncio.Event = field(default_factory=asyncio.Event)
     unconfirmed: bool = False  # a renewal failed since the last one Redis answered
     ended: bool = False
@@ -82,6 +83,7 @@ class _Abandoned:
     model: str
     session_id: str | None
     ids: Ids
+    state: RoutingState
 
 
 class LeaseTable:
@@ -104,6 +106,13 @@ class LeaseTable:
         self._worker: asyncio.Task | None = None
         self._releases: set[asyncio.Task] = set()
         self._timeout = config.lease_timeout_seconds
+
+    def reconfigure(self, config: Config, state: RoutingState, router: Router) -> None:
+        """Decide with a reloaded config from now on (extproc.reload). Every lease held keeps
+        renewing, adopting and releasing through the RoutingState it was admitted with, so its
+        pair's accounting holds even when the reload removed its provider or model."""
+        self.config, self.state, self.router = config, state, router
+        self._timeout = config.lease_timeout_seconds  # renewals of leases admitted from now on
 
     def start(self) -> None:
         """Start the abandonment worker (needs a running event loop)."""
@@ -128,32 +137,36 @@ class LeaseTable:
 
     # ---- deciding -----------------------------------------------------------------------
 
-    async def decide(self, request: RoutingRequest) -> Held | Rejection | Refusal:
+    async def decide(
+        self, request: RoutingRequest, router: Router | None = None, state: RoutingState | None = None
+    ) -> Held | Rejection | Refusal:
         """Decide through Redis (within `server.decision_timeout_seconds`), or through the
         outage policy while the breaker is open or when this decision's Redis calls failed.
+        `router` and `state` (default: the table's) are one config's pair (extproc.reload).
         Raises asyncio.CancelledError when the stream is cancelled (its ids are abandoned)."""
+        router, state = router or self.router, state or self.state
         if self.breaker.is_open:
-            return self._decide_locally(request)
+            return self._decide_locally(request, state)
         ids = Ids.fresh()
         try:
             async with asyncio.timeout(self.config.server.decision_timeout_seconds):
-                outcome = await self.router.execute_request(request, ids)
+                outcome = await router.execute_request(request, ids)
         except (RedisError, TimeoutError) as exc:
-            self._abandon(request, ids)
+            self._abandon(request, ids, state)
             if is_pool_exhausted(exc):
                 return Refusal.OVERLOADED
             metrics.REDIS_ERRORS.labels("decision").inc()
             self.breaker.record_failure(exc)
-            return self._decide_locally(request)
+            return self._decide_locally(request, state)
         except BaseException:
-            self._abandon(request, ids)
+            self._abandon(request, ids, state)
             raise
         self.breaker.record_success()
         if isinstance(outcome, Rejection):
             return outcome
-        return self._hold(outcome, local=False)
+        return self._hold(outcome, local=False, state=state)
 
-    def _decide_locally(self, request: RoutingRequest) -> Held | Rejection | Refusal:
+    def _decide_locally(self, request: RoutingRequest, state: RoutingState) -> Held | Rejection | Refusal:
         if self.config.redis.outage_policy == "fail_closed":
             return Refusal.UNAVAILABLE
         metrics.OUTAGE_DECISIONS.inc()
@@ -165,10 +178,10 @@ class LeaseTable:
         if limits is not None and limits.max_global_in_flight_request_slots is not None:
             lease = Lease(request.model, choice.name, new_id(), None, None, 0)
         decision = Decision(choice, Reason.UNPINNED, lease, None, refresh_pin_on_success=False)
-        return self._hold(decision, local=lease is not None)
+        return self._hold(decision, local=lease is not None, state=state)
 
-    def _hold(self, decision: Decision, local: bool) -> Held:
-        held = Held(decision, local=local, epoch=self.epoch)
+    def _hold(self, decision: Decision, local: bool, state: RoutingState) -> Held:
+        held = Held(decision, local=local, epoch=self.epoch, state=state)
         self._held.add(held)
         if decision.lease is not None:
             self._on_pair[(decision.lease.provider, decision.lease.model)] += 1
@@ -212,7 +225,7 @@ class LeaseTable:
         give_up_at = max(held.confirmed_at, time.monotonic()) + self._timeout
         while True:
             try:
-                await self.state.release_request_lease(held.lease, refresh_pin=refresh)
+                await (held.state or self.state).release_request_lease(held.lease, refresh_pin=refresh)
                 return
             except RedisError as exc:
                 metrics.REDIS_ERRORS.labels("release").inc()
@@ -224,11 +237,11 @@ class LeaseTable:
 
     # ---- abandoning ---------------------------------------------------------------------
 
-    def _abandon(self, request: RoutingRequest, ids: Ids) -> None:
+    def _abandon(self, request: RoutingRequest, ids: Ids, state: RoutingState) -> None:
         metrics.DECISIONS_ABANDONED.inc()
         if self._abandoned is not None:
             self._abandoning += 1
-            self._abandoned.put_nowait(_Abandoned(request.model, request.session_id, ids))
+            self._abandoned.put_nowait(_Abandoned(request.model, request.session_id, ids, state))
 
     async def _abandon_forever(self) -> None:
         """One abandonment at a time, each retried until Redis takes it (they are idempotent)."""
@@ -236,7 +249,7 @@ class LeaseTable:
             item = await self._abandoned.get()
             while True:
                 try:
-                    await self.state.abandon_request(item.model, item.session_id, item.ids.lease_id, item.ids.pin_id)
+                    await item.state.abandon_request(item.model, item.session_id, item.ids.lease_id, item.ids.pin_id)
                     break
                 except RedisError:
                     await asyncio.sleep(self.retry_seconds)
@@ -262,7 +275,7 @@ class LeaseTable:
         docstring); a lease Redis lost, or one whose renewals did not reach it, is adopted."""
         renewed_at = time.monotonic()
         try:
-            update = await self.state.renew_request_lease(held.lease)
+            update = await (held.state or self.state).renew_request_lease(held.lease)
         except RedisError as exc:
             metrics.REDIS_ERRORS.labels("renew").inc()
             metrics.LEASE_RENEWALS.labels("failed").inc()
@@ -325,7 +338,7 @@ class LeaseTable:
     async def _adopt(self, held: Held) -> None:
         held.adopting = True
         try:
-            await self.state.adopt_request_lease(held.lease)
+            await (held.state or self.state).adopt_request_lease(held.lease)
         except BaseException:
             if held.ended and not held.local:
                 self._spawn_release(held, refresh=False)

@@ -60,6 +60,12 @@ DECISION_SECONDS = Histogram(
     "Time to decide a request's provider (seconds), Redis round trips included",
     buckets=(0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.1, 0.5, 2.0),
 )
+CONFIG_RELOADS = Counter(
+    "iris_config_reloads_total", "Reloads of the routing config (SIGHUP or a change of the file), by result: success, failure", ["result"]
+)
+CONFIG_LAST_SUCCESS = Gauge(
+    "iris_config_last_reload_success_timestamp_seconds", "Unix time (seconds) the running routing config was loaded (start-up included)"
+)
 
 _PAIR = ["provider", MODEL]
 
@@ -68,6 +74,8 @@ for _result in ("renewed", "failed", "adopted", "lost"):
     LEASE_RENEWALS.labels(_result)
 for _operation in ("decision", "renew", "release", "heartbeat", "fleet_state"):
     REDIS_ERRORS.labels(_operation)
+for _result in ("success", "failure"):
+    CONFIG_RELOADS.labels(_result)
 
 
 class FleetCollector(Collector):

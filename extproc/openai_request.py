@@ -71,6 +71,7 @@ def parse_request(feature: str, raw: bytes, completions_prefix_chars: int) -> Pa
         raise RequestError(400, f"request body is not valid JSON: {exc.msg}", "invalid_json") from None
     if not isinstance(body, dict):
         raise RequestError(400, "request body must be a JSON object", "invalid_json")
+    _check_writable_depth(raw, body)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise RequestError(400, "'model' is required and must be a non-empty string", "missing_model", param="model")
@@ -79,6 +80,22 @@ def parse_request(feature: str, raw: bytes, completions_prefix_chars: int) -> Pa
         raise RequestError(400, "'stream' must be a boolean", "invalid_type", param="stream")
     prefix = _STABLE_PREFIX[feature](body, completions_prefix_chars)
     return ParsedRequest(feature, model, stream, _sub_features(body), prefix, body)
+
+
+# orjson reads 1024 levels of nesting but writes fewer (254 in orjson 3.10): a body the provider
+# adaptation could not write again is refused here. A body with fewer brackets than this, counted
+# at C speed, cannot be deeper, so only suspicious bodies pay for the trial encoding.
+_BRACKETS_SURELY_WRITABLE = 200
+
+
+def _check_writable_depth(raw: bytes, body: dict[str, Any]) -> None:
+    """Raises RequestError (400, invalid_json) for a body nested deeper than orjson writes."""
+    if raw.count(b"[") + raw.count(b"{") <= _BRACKETS_SURELY_WRITABLE:
+        return
+    try:
+        orjson.dumps(body)
+    except TypeError:  # orjson.JSONEncodeError: "Recursion limit reached"
+        raise RequestError(400, "request body is nested too deeply", "invalid_json") from None
 
 
 def session_id(secret: bytes, user_id: str, request: ParsedRequest) -> str | None:

@@ -76,6 +76,12 @@ class OutagePolicy:
         self.router = router
         self.registry = registry
 
+    def reconfigure(self, config: Config, router: Router) -> None:
+        """Follow a reloaded config (extproc.reload): shares and providers from now on; the
+        leases held keep counting against their pairs (the lease table counts them)."""
+        self.config = config
+        self.router = router
+
     def share(self, provider: Provider, model: str) -> int | None:
         """The most leases this instance may hold on the pair during an outage; None: the pair
         has no in-flight limit. 0 under `degrade`, and when no instance count was ever seen

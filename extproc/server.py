@@ -32,7 +32,6 @@ from redis.exceptions import RedisError
 
 from extproc import envoy_messages as msg
 from extproc import metrics
-from extproc.adaptation import RequestAdapter
 from extproc.chains import ChainLink, ResponseChains, ResponseIdReader
 from extproc.config import Config
 from extproc.degraded import DegradedFlags
@@ -42,9 +41,9 @@ from extproc.lease_table import Held, LeaseTable, Refusal
 from extproc.openai_request import MODELS_PATH, ParsedRequest, RequestError, feature_for_path, parse_request
 from extproc.outage import InstanceRegistry, OutagePolicy, RedisBreaker
 from extproc.redis_client import open_redis
-from extproc.routing import Decision, Rejection, RejectionKind, Router, RoutingRequest
+from extproc.reload import ConfigReloader, LiveConfig, build_live
+from extproc.routing import Decision, Rejection, RejectionKind, RoutingRequest
 from extproc.sessions import HeaderSignals, SessionKeys, previous_response_id
-from extproc.state import RoutingState
 
 log = logging.getLogger(__name__)
 
@@ -89,30 +88,32 @@ class StreamState:
 
 class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
     """The stream loop: knows Envoy's phases, delegates parsing to openai_request and decisions
-    to routing."""
+    to routing. `live` (extproc.reload) is swapped by a config reload; a request reads it once,
+    when its body arrives, and decides and adapts with that snapshot."""
 
-    def __init__(
-        self,
-        config: Config,
-        leases: LeaseTable,
-        secret: bytes,
-        adapter: RequestAdapter | None = None,
-        health: HealthMonitor | None = None,
-        chains: ResponseChains | None = None,
-    ):
-        """Raises adaptation.CredentialError when no `adapter` is given and a provider's API key
-        cannot be read. `chains`: where Responses chains are recorded (default: in the lease
-        table's Redis)."""
-        self.config = config
-        self.adapter = adapter or RequestAdapter(config)
+    def __init__(self, live: LiveConfig, leases: LeaseTable, secret: bytes, health: HealthMonitor | None = None):
+        self.live = live
         self.health = health
         self.leases = leases
         self.secret = secret
-        self.models = frozenset(config.models())
-        self.sessions = SessionKeys(config, secret)
-        self.chains = chains or ResponseChains(leases.state.redis, config, secret)
-        self._model_list = msg.model_list_body(config.models(), int(time.time()))
-        self._routing_header = config.server.routing_header
+        self._routing_header = live.config.server.routing_header  # restart-only: Envoy must agree
+
+    @property
+    def config(self) -> Config:
+        """The running config (the latest reload's)."""
+        return self.live.config
+
+    @property
+    def sessions(self) -> SessionKeys:
+        return self.live.sessions
+
+    @property
+    def chains(self) -> ResponseChains:
+        return self.live.chains
+
+    @property
+    def models(self) -> frozenset[str]:
+        return self.live.models
 
     async def Process(self, request_iterator, context: grpc.aio.ServicerContext) -> None:  # noqa: N802 (gRPC name)
         stream = StreamState()
@@ -122,7 +123,7 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
                 request = await self._next_message(context, stream)
                 if request is None:
                     break
-                response = await self._handle(stream, request)
+                response = await self._handle_or_answer_500(stream, request)
                 if response is not None:
                     await context.write(response)
                     if response.HasField("immediate_response"):
@@ -148,6 +149,16 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
                 return None
             message = read.result()
         return None if message is grpc.aio.EOF else message
+
+    async def _handle_or_answer_500(self, stream: StreamState, request: ProcessingRequest) -> ProcessingResponse | None:
+        """The last resort: any unexpected exception of a phase is logged with its traceback and
+        answered with a generic 500 (code internal_error); the stream end releases any lease."""
+        try:
+            return await self._handle(stream, request)
+        except Exception:
+            log.exception("unexpected error in the %s phase of %s; answered 500", request.WhichOneof("request"), stream.path[:200])
+            metrics.REJECTIONS.labels("internal_error", "").inc()
+            return msg.internal_error()
 
     async def _handle(self, stream: StreamState, request: ProcessingRequest) -> ProcessingResponse | None:
         phase = request.WhichOneof("request")
@@ -188,18 +199,19 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
 
     async def _on_request_body(self, stream: StreamState, request: ProcessingRequest) -> ProcessingResponse:
         body = request.request_body.body
+        live = self.live
         try:
-            if len(body) > self.config.server.max_body_bytes:
+            if len(body) > live.config.server.max_body_bytes:
                 raise self._too_large()
-            parsed = parse_request(feature_for_path(stream.path), body, self.config.session.completions_prefix_chars)
-            if parsed.model not in self.models:
+            parsed = parse_request(feature_for_path(stream.path), body, live.config.session.completions_prefix_chars)
+            if parsed.model not in live.models:
                 raise RequestError(404, f"the model '{parsed.model[:200]}' does not exist", "model_not_found", param="model")
         except RequestError as exc:
             return self._reject_request(exc)
         routing_request = await self._routing_request(stream, parsed)
         started = time.perf_counter()
         try:
-            outcome = await self.leases.decide(routing_request)
+            outcome = await self.leases.decide(routing_request, live.router, live.state)
         finally:
             decision_seconds = time.perf_counter() - started
             metrics.DECISION_SECONDS.observe(decision_seconds)
@@ -217,7 +229,7 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
         decision = outcome.decision
         metrics.DECISIONS.labels(decision.provider.name, parsed.model, decision.reason.value).inc()
         stream.model = parsed.model
-        change = self.adapter.adapt(decision.provider, parsed.model, parsed.body)
+        change = live.adapter.adapt(decision.provider, parsed.model, parsed.body)
         metadata = {"provider": decision.provider.name, "reason": decision.reason.value, "decision_ms": decision_ms}
         return msg.route_to_cluster(
             self._routing_header, decision.provider.cluster, change.set_headers, change.remove, change.body, metadata
@@ -321,10 +333,10 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
             raise RequestError(405, f"method {stream.method[:20]!r} is not allowed here: use GET", "method_not_allowed")
         path = stream.path.split("?", 1)[0].rstrip("/")
         if path == MODELS_PATH:
-            return msg.immediate_json(200, self._model_list)
+            return msg.immediate_json(200, self.live.model_list)
         model = path.removeprefix(MODELS_PATH + "/")
-        if path.startswith(MODELS_PATH + "/") and model in self.models:
-            return msg.immediate_json(200, msg.model_body(model, self._model_list))
+        if path.startswith(MODELS_PATH + "/") and model in self.live.models:
+            return msg.immediate_json(200, msg.model_body(model, self.live.model_list))
         raise RequestError(404, f"the model '{model[:200]}' does not exist", "model_not_found", param="model")
 
     def _reject_chained(self, request: RoutingRequest, response_id: str | None, decision_ms: float) -> ProcessingResponse:
@@ -369,15 +381,16 @@ class Gateway:
     def __init__(self, config: Config, secret: bytes):
         self.config = config
         self.redis = open_redis(config.redis)
-        self.state = RoutingState(self.redis, config)
+        self.secret = secret
         self.degraded = DegradedFlags(self.redis, config)
-        self.router = Router(config, self.state, self.degraded)
+        live = build_live(config, self.redis, self.degraded, secret)
         self.registry = InstanceRegistry(self.redis, config.redis.key_prefix, ttl_seconds=config.redis.instance_heartbeat_seconds * 5)
         self.breaker = RedisBreaker(self.redis, config.redis.breaker_failures_in_a_row)
-        self.outage = OutagePolicy(config, self.router, self.registry)
-        self.leases = LeaseTable(config, self.state, self.router, self.outage, self.breaker)
+        self.outage = OutagePolicy(config, live.router, self.registry)
+        self.leases = LeaseTable(config, live.state, live.router, self.outage, self.breaker)
         self.health = HealthMonitor(config, self.redis, self.degraded)
-        self.processor = ExternalProcessor(config, self.leases, secret, health=self.health)
+        self.processor = ExternalProcessor(live, self.leases, secret, health=self.health)
+        self._retired_monitors: set[asyncio.Task] = set()
         self.server = grpc.aio.server(
             options=[
                 ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE_BYTES),
@@ -393,7 +406,7 @@ class Gateway:
         """Load scripts and flags when Redis is there (it may come later), start serving."""
         self.leases.start()
         try:
-            await self.state.load_scripts()
+            await self.leases.state.load_scripts()
             await self.leases.refresh_epoch()
             await self.degraded.refresh()
         except RedisError as exc:
@@ -435,6 +448,15 @@ class Gateway:
                 continue
             log.info("shared routing resumed; %d local leases adopted into Redis", adopted)
 
+    def replace_health_monitor(self, config: Config) -> None:
+        """Start a HealthMonitor for `config` and stop the running one (extproc.reload)."""
+        old, self.health = self.health, HealthMonitor(config, self.redis, self.degraded)
+        self.processor.health = self.health
+        self.health.start()
+        task = asyncio.get_running_loop().create_task(old.close())
+        self._retired_monitors.add(task)
+        task.add_done_callback(self._retired_monitors.discard)
+
     async def drain(self) -> None:
         """Stop taking new streams, let open ones finish within the grace period, release what
         is left, close Redis."""
@@ -451,15 +473,25 @@ class Gateway:
         await self.redis.aclose()
 
 
-async def serve(config: Config) -> None:
-    """Run the ext_proc server until SIGTERM or SIGINT, then drain and return."""
+async def serve(config: Config, config_path: str | None = None, envoy_path: str | None = None) -> None:
+    """Run the ext_proc server until SIGTERM or SIGINT, then drain and return. With `config_path`
+    (the file `config` was read from) the routing config is reloaded on SIGHUP and when the file
+    changes (extproc.reload), checked against `envoy_path` when given.
+
+    Raises SecretMissing, adaptation.CredentialError."""
     gateway = Gateway(config, session_secret(config))
     await gateway.start()
+    metrics.CONFIG_LAST_SUCCESS.set(time.time())
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     metrics_server = None
+    watcher = None
+    if config_path is not None:
+        reloader = ConfigReloader(gateway, config_path, envoy_path)
+        loop.add_signal_handler(signal.SIGHUP, reloader.request)
+        watcher = asyncio.create_task(reloader.run_forever())
     if config.server.metrics_listen:
         # Reads at most one a second, on this loop; a scrape waits for it in the metrics thread.
         read = on_loop(FleetStateReader(config, gateway.redis), loop, 2 * config.redis.socket_timeout_seconds + 1)
@@ -467,6 +499,8 @@ async def serve(config: Config) -> None:
         metrics_server, _ = metrics.start_metrics_server(config.server.metrics_listen, fleet, lambda: gateway.breaker.is_open)
         log.info("metrics on http://%s/metrics", config.server.metrics_listen)
     await stop.wait()
+    if watcher is not None:
+        watcher.cancel()
     await gateway.drain()
     if metrics_server is not None:
         metrics_server.shutdown()

@@ -1,7 +1,9 @@
 """Bad input never costs anything (issue 5): fuzzed bodies, methods, paths and header values go
 through real Envoy; every answer is an OpenAI-style error or a normal response, the ext_proc
-server stays up, and no lease is left. Plus the security checks: no client-chosen cluster, keyed
-session ids, and no secret in any answer or log."""
+server stays up, and no lease is left. Every error the gateway itself gives (the router's and
+Envoy's local replies) carries a code of the closed set (issue 12), with a provider that rewrites
+the model name configured, so the body rewrite meets every hostile body. Plus the security
+checks: no client-chosen cluster, keyed session ids, and no secret in any answer or log."""
 
 from __future__ import annotations
 
@@ -11,16 +13,22 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from extproc.envoy_messages import CLIENT_ERROR_CODES
 from extproc.openai_request import ParsedRequest, session_id
-from tests.gateway_support import MODEL, chat_body, live_leases, post, redis_client, start_gateway
+from tests.gateway_support import LIMITS, MODEL, chat_body, gateway_config, live_leases, post, redis_client, start_gateway, wait_until
 
 PATHS = ["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses"]
 CLIENT_SECRET = "sk-client-credential-0123456789"
 
 
+UPSTREAM_MODEL = "vendor/llama-3.1-70b-instruct"
+
+
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory):
-    gw = start_gateway(tmp_path_factory.mktemp("hostile"))
+    providers = gateway_config()["providers"]
+    providers[0]["models"][MODEL] = {"features": ["chat", "completions", "tools"], "limits": LIMITS, "upstream_model": UPSTREAM_MODEL}
+    gw = start_gateway(tmp_path_factory.mktemp("hostile"), providers=providers)
     yield gw
     gw.stop()
 
@@ -58,6 +66,9 @@ bodies = st.one_of(
     st.binary(max_size=300),
     st.integers(1, 5000).map(lambda depth: b"[" * depth + b"]" * depth),
     st.integers(1, 3000).map(lambda depth: b'{"model":' * depth),
+    # Valid objects nested deeper than orjson writes (254 levels): the body rewrite cannot write them.
+    st.integers(240, 1100).map(lambda depth: b'{"model": "' + MODEL.encode() + b'", "messages": [{"role": "user", "content": '
+                               + b"[" * depth + b"]" * depth + b"}]}"),
     st.just(b'{"model": "' + MODEL.encode() + b'", "messages": [{"role": "user", "content": "\xc3\x28\xff"}]}'),
     st.just(orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x" * 200_000}], "max_tokens": 1})),
 )
@@ -78,6 +89,11 @@ def assert_openai_answer(response: httpx.Response) -> None:
     assert response.headers["content-type"] == "application/json", (response.status_code, response.text[:200])
     error = response.json()["error"]
     assert isinstance(error["message"], str) and isinstance(error["type"], str) and "code" in error
+    if "x-simulator-name" in response.headers:
+        # A provider's own answer. It never says the adaptation failed (model name or key).
+        assert error["code"] not in ("model_not_found", "invalid_api_key"), error
+    else:
+        assert error["code"] in CLIENT_ERROR_CODES, (response.status_code, error)
 
 
 @settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
@@ -103,6 +119,19 @@ def test_wrong_methods_paths_and_headers_get_openai_errors(gateway, method, path
         timeout=30,
     )
     assert_openai_answer(response)
+
+
+@pytest.mark.parametrize("depth", [200, 253, 254, 255, 300, 1000])
+def test_nesting_deeper_than_the_body_rewrite_is_a_400(gateway, depth):
+    nested = b"[" * depth + b"]" * depth
+    body = b'{"model": "' + MODEL.encode() + b'", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "x": ' + nested + b"}"
+    response = post(gateway, "/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    assert_openai_answer(response)
+    assert response.status_code in (200, 400)
+    if response.status_code == 400:
+        assert response.json()["error"]["code"] == "invalid_json"
+    else:
+        assert response.headers["x-iris-provider"] in ("iris-1", "iris-2", "tensorx")
 
 
 def test_nothing_was_lost_to_hostile_input(gateway):
@@ -154,3 +183,17 @@ def test_session_ids_are_keyed_per_user():
     # Fields are length-prefixed: moving bytes between user id and prefix changes the id.
     assert session_id(b"s", "ab", parsed(b"c")) != session_id(b"s", "a", parsed(b"bc"))
     assert session_id(b"secret", "alice", parsed(None)) is None
+
+
+def test_an_unreachable_provider_gets_a_closed_code_and_the_details_stay_in_the_access_log(gateway):
+    """Last in this module: it stops the iris-1 simulator. Envoy's own 503 carries
+    upstream_unavailable; its details (upstream_reset_before_response_started{...}) are only in
+    the access log."""
+    redis_client(gateway).flushall()
+    gateway.providers["iris-1"].stop()
+    response = post(gateway, "/v1/chat/completions", json=chat_body("nobody home"), user="stranded")
+    assert response.status_code == 503, response.text
+    assert response.json()["error"]["code"] == "upstream_unavailable"
+    assert "upstream_reset" not in response.text and "connection" not in response.text
+    envoy = gateway.running[0].envoy
+    assert wait_until(lambda: "upstream_reset_before_response_started" in envoy.log_tail(20_000), within_seconds=30)
