@@ -120,7 +120,7 @@ class LocalGateway:
         self.providers: dict[str, ManagedProcess] = {}
         self.running: list[Instance] = []
         self.config: Config | None = None
-        self._started: list[ManagedProcess] = []  # every process started, in order, for stop()
+        self.started: list[ManagedProcess] = []  # every process started, in order, for stop()
 
     def __enter__(self) -> LocalGateway:
         try:
@@ -168,13 +168,12 @@ class LocalGateway:
     def stop(self) -> None:
         """Stop every process this gateway started, newest first, including those of an
         instance whose start failed half-way."""
-        for process in reversed(self._started):
+        for process in reversed(self.started):
             process.stop()
-        self._started.clear()
         self.running.clear()
 
     def _track(self, process: ManagedProcess) -> ManagedProcess:
-        self._started.append(process)
+        self.started.append(process)
         return process
 
     def stop_redis(self) -> None:
