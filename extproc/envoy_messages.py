@@ -33,7 +33,7 @@ ext_proc filter's metadata_options.receiving_namespaces and prints it in the acc
 ROUTER_ERROR_CODES = frozenset({
     "unknown_url", "method_not_allowed", "missing_body", "invalid_header", "request_too_large", "invalid_json",
     "missing_model", "invalid_type", "model_not_found", "unsupported_feature", "capacity_exceeded",
-    "routing_overloaded", "no_provider_available", "routing_unavailable", "internal_error",
+    "routing_overloaded", "no_provider_available", "routing_unavailable", "previous_response_unavailable", "internal_error",
 })
 ENVOY_ERROR_CODES = frozenset({
     "request_too_large", "headers_too_large", "request_timeout", "upstream_timeout", "upstream_unavailable",
