@@ -15,7 +15,6 @@ import yaml
 
 from extproc.resources import envoy_yaml
 from irislab.local_gateway import LocalGateway, ProviderSimulation
-from irislab.processes import free_port
 from tests.gateway_support import MODEL, live_leases, redis_client, wait_for_no_leases, wait_until
 
 pytestmark = pytest.mark.slow
@@ -27,11 +26,11 @@ def limits(slots: int) -> dict:
     return {"max_pinned_sessions": 1000, "max_global_in_flight_request_slots": slots, "max_per_session_in_flight_request_slots": 4}
 
 
-def routing_config(metrics_port: int) -> dict:
+def routing_config() -> dict:
     return {
         "lease_timeout_seconds": 6,  # renewals every 2 s: long streams renew across the reloads
         "redis": {"key_prefix": "reload"},
-        "server": {"expose_routing_headers": True, "metrics_listen": f"127.0.0.1:{metrics_port}", "reload_poll_seconds": 0.2},
+        "server": {"expose_routing_headers": True, "reload_poll_seconds": 0.2},  # LocalGateway sets metrics_listen
         "providers": [
             {"name": "iris-1", "kind": "managed", "cluster": "iris-1", "models": {MODEL: {"features": ["chat"], "limits": limits(4)}}},
             {"name": "iris-2", "kind": "managed", "cluster": "iris-2", "models": {MODEL: {"features": ["chat"], "limits": limits(4)}}},
@@ -97,9 +96,8 @@ def reset(gateway: LocalGateway, name: str) -> None:
 
 
 def test_reload_under_load(tmp_path):
-    metrics_port = free_port()
     sims = {name: ProviderSimulation(ttft_ms=5, per_token_ms=25, block_tokens=8) for name in ("iris-1", "iris-2", "tensorx")}
-    with LocalGateway(config_data=routing_config(metrics_port), simulations=sims, work_dir=tmp_path) as gateway:
+    with LocalGateway(config_data=routing_config(), simulations=sims, work_dir=tmp_path) as gateway:
         instance = gateway.running[0]
         path = instance.config_path
         running_config = yaml.safe_load(path.read_text())
@@ -200,7 +198,7 @@ def test_reload_under_load(tmp_path):
         assert all(count > 0 for count in overlapping), overlapping  # every reload had streams running
         assert instance.extproc.alive()
         assert wait_for_no_leases(redis_client(gateway), within_seconds=30) == 0, live_leases(redis_client(gateway))
-        text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text
+        text = httpx.get(instance.metrics_url, timeout=5).text
         assert 'iris_config_reloads_total{result="success"} 6.0' in text
         assert 'iris_config_reloads_total{result="failure"} 3.0' in text
         assert "Traceback" not in log(5_000_000)
@@ -209,7 +207,7 @@ def test_reload_under_load(tmp_path):
 def test_a_restart_only_change_keeps_the_running_value(tmp_path):
     """Changing the listen address is logged as needing a restart; the server keeps serving."""
     sims = {name: ProviderSimulation(ttft_ms=5, per_token_ms=1) for name in ("iris-1", "iris-2", "tensorx")}
-    with LocalGateway(config_data=routing_config(free_port()), simulations=sims, work_dir=tmp_path,
+    with LocalGateway(config_data=routing_config(), simulations=sims, work_dir=tmp_path,
                       envoy_source=envoy_yaml()) as gateway:
         instance = gateway.running[0]
         config = yaml.safe_load(instance.config_path.read_text())
