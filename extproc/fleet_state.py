@@ -86,29 +86,38 @@ class FleetStateReader:
 
     def __init__(self, config: Config, redis: RedisClient):
         self.redis = redis
-        self.config = config
-        keys = Keyspace(config.redis.key_prefix)
         self._script = lua_folder().joinpath("fleet_state.lua").read_text()
         self._instances_key = instances_key(config.redis.key_prefix)
+        self.reconfigure(config)
+
+    def reconfigure(self, config: Config) -> None:
+        """Read the pairs of `config` from now on (extproc.reload; the key prefix stays)."""
+        keys = Keyspace(config.redis.key_prefix)
         # Per model: the providers serving it (priority order), the keys and the managed flags.
-        self._models: list[tuple[str, list, list[str], list[tuple[str, str]]]] = []
+        models: list[tuple[str, list, list[str], list[tuple[str, str]]]] = []
         for model in config.models():
             providers = config.providers_for(model)
             flags = [(p.name, s) for p in providers if p.kind is ProviderKind.MANAGED for s in SOURCES]
             key_list = [k for p in providers for k in (keys.provider_pins(model, p.name), keys.provider_leases(model, p.name))]
             key_list += [keys.degraded(model, provider, source) for provider, source in flags]
-            self._models.append((model, providers, key_list, flags))
+            models.append((model, providers, key_list, flags))
+        self._read_plan = (config, models)
+
+    @property
+    def config(self) -> Config:
+        return self._read_plan[0]
 
     async def read(self) -> FleetState:
         """One pipelined round trip. Raises redis.exceptions.RedisError."""
+        config, models = self._read_plan  # one config's plan, whatever a reload does meanwhile
         async with self.redis.pipeline(transaction=False) as pipe:
-            for _, providers, key_list, _ in self._models:
+            for _, providers, key_list, _ in models:
                 pipe.eval(self._script, len(key_list), *key_list, len(providers))
             pipe.eval(_INSTANCES_SCRIPT, 1, self._instances_key)
             replies = await pipe.execute()
         by_pair: dict[tuple[str, str], PairState] = {}
         now_ms = 0
-        for (model, providers, _, flag_keys), reply in zip(self._models, replies):
+        for (model, providers, _, flag_keys), reply in zip(models, replies):
             now_ms = max(now_ms, int(reply[0]))
             counts = reply[1 : 1 + 2 * len(providers)]
             flag_replies = reply[1 + 2 * len(providers) :]
@@ -131,7 +140,7 @@ class FleetStateReader:
                     pin_limit=limits.max_pinned_sessions if limits else None,
                     flags=flags.get(provider.name, []),
                 )
-        pairs = [by_pair[(p.name, m)] for p in self.config.providers_in_priority_order() for m in p.models]
+        pairs = [by_pair[(p.name, m)] for p in config.providers_in_priority_order() for m in p.models]
         return FleetState(now_ms, int(replies[-1]), pairs)
 
 

@@ -14,7 +14,7 @@ swaps everything built from the config in one step, without awaiting in between:
   keys, even when the provider or model is gone);
 - DegradedFlags and the OutagePolicy are reconfigured in place (the flag snapshot carries over);
 - the HealthMonitor is replaced only when the checks changed (its failure streaks carry over
-  otherwise).
+  otherwise); the metrics' fleet-state reader reads the new pairs.
 
 A file that cannot be used (unreadable, invalid, disagreeing with the Envoy file, a key that
 cannot be read) keeps the running config: one log line and `iris_config_reloads_total{result=
@@ -211,6 +211,8 @@ class ConfigReloader:
         gateway.leases.reconfigure(new, live.state, live.router)
         gateway.degraded.reconfigure(new)
         gateway.outage.reconfigure(new, live.router)
+        if gateway.fleet_reader is not None:
+            gateway.fleet_reader.reconfigure(new)
         if _health_inputs(old) != _health_inputs(new):
             gateway.replace_health_monitor(new)
 

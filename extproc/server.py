@@ -391,6 +391,7 @@ class Gateway:
         self.health = HealthMonitor(config, self.redis, self.degraded)
         self.processor = ExternalProcessor(live, self.leases, secret, health=self.health)
         self._retired_monitors: set[asyncio.Task] = set()
+        self.fleet_reader: FleetStateReader | None = None  # the metrics' reader, when metrics are served
         self.server = grpc.aio.server(
             options=[
                 ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE_BYTES),
@@ -494,7 +495,8 @@ async def serve(config: Config, config_path: str | None = None, envoy_path: str 
         watcher = asyncio.create_task(reloader.run_forever())
     if config.server.metrics_listen:
         # Reads at most one a second, on this loop; a scrape waits for it in the metrics thread.
-        read = on_loop(FleetStateReader(config, gateway.redis), loop, 2 * config.redis.socket_timeout_seconds + 1)
+        gateway.fleet_reader = FleetStateReader(config, gateway.redis)
+        read = on_loop(gateway.fleet_reader, loop, 2 * config.redis.socket_timeout_seconds + 1)
         fleet = CachedFleetState(read)
         metrics_server, _ = metrics.start_metrics_server(config.server.metrics_listen, fleet, lambda: gateway.breaker.is_open)
         log.info("metrics on http://%s/metrics", config.server.metrics_listen)

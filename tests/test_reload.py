@@ -95,6 +95,12 @@ def reset(gateway: LocalGateway, name: str) -> None:
     httpx.post(f"{gateway.provider_url(name)}/stats/reset", timeout=5).raise_for_status()
 
 
+def in_flight_series(instance) -> str:
+    """The iris_in_flight_requests lines of the instance's metrics."""
+    text = httpx.get(instance.metrics_url, timeout=5).text
+    return "\n".join(line for line in text.splitlines() if line.startswith("iris_in_flight_requests{"))
+
+
 def test_reload_under_load(tmp_path):
     sims = {name: ProviderSimulation(ttft_ms=5, per_token_ms=25, block_tokens=8) for name in ("iris-1", "iris-2", "tensorx")}
     with LocalGateway(config_data=routing_config(), simulations=sims, work_dir=tmp_path) as gateway:
@@ -160,12 +166,14 @@ def test_reload_under_load(tmp_path):
             drained_to("iris-2", 0)
             load.wait_for_more(CLIENTS * 3)
             assert stats(gateway, "iris-2")["requests"] == 0 and stats(gateway, "iris-2")["in_flight"] == 0
+            assert wait_until(lambda: 'provider="iris-2"' not in in_flight_series(instance), within_seconds=30)  # the fleet gauges follow
 
             # 4. Add it back: the overflow of iris-1 reaches it again.
             overlapping.append(load.running)
             write(config)
             reloaded(4)
             assert wait_until(lambda: stats(gateway, "iris-2")["requests"] > 0, within_seconds=60)
+            assert wait_until(lambda: 'provider="iris-2"' in in_flight_series(instance), within_seconds=30)
 
             # 5. Bad files keep the running config: invalid, and disagreeing with the Envoy file.
             reset(gateway, "iris-1")
