@@ -106,6 +106,7 @@ class LeaseTable:
         self._worker: asyncio.Task | None = None
         self._releases: set[asyncio.Task] = set()
         self._timeout = config.lease_timeout_seconds
+        metrics.LOCAL_LEASES.set_function(lambda: self.local_leases)
 
     def reconfigure(self, config: Config, state: RoutingState, router: Router) -> None:
         """Decide with a reloaded config from now on (extproc.reload). Every lease held keeps

@@ -130,6 +130,10 @@ class Keyspace:
     def session_leases(self, model: str, session_id: str) -> str:
         return f"{self.tag(model)}:session-leases:{session_id}"
 
+    def session_earlier_leases(self, model: str, session_id: str) -> str:
+        """The session's leases still running on its earlier pins (after a compare-and-swap)."""
+        return f"{self.tag(model)}:session-earlier-leases:{session_id}"
+
     def provider_pins(self, model: str, provider: str) -> str:
         return f"{self.tag(model)}:pins:{provider}"
 
@@ -347,7 +351,11 @@ class RoutingState:
         with_providers: bool = True,
         extra_keys: tuple[str, ...] = (),
     ) -> list:
-        keys = [self.keys.pin(model, session_id), self.keys.session_leases(model, session_id)]
+        keys = [
+            self.keys.pin(model, session_id),
+            self.keys.session_leases(model, session_id),
+            self.keys.session_earlier_leases(model, session_id),
+        ]
         if with_providers:
             keys += self._model_keys[model]
             args = ["" if now_ms is None else now_ms, *self._model_args[model], *op_args]

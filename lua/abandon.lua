@@ -19,6 +19,7 @@ for _, p in pairs(ctx.by_name) do
   end
   redis.call('ZADD', p.leases_key, ctx.now, lease_id)
   redis.call('PEXPIRE', p.leases_key, ctx.lease_timeout + ctx.grace)
+  forget_earlier(ctx, p, lease_id)
 end
 redis.call('ZREM', ctx.session_leases_key, lease_id)
 local pin = read_pin(ctx)

@@ -23,13 +23,14 @@ if pin.provider == target.name then
   return reply(ctx, 'ALREADY_PINNED', pin)
 end
 tidy_provider(ctx, target)
-local result = capacity_result(ctx, target, 0, false, true)
+local result = capacity_result(ctx, target, earlier_in_flight(ctx, target), false, true)
 if result ~= 'ADMITTED' then
   return reply(ctx, result, pin)
 end
 -- The old pin stops counting on its provider at once, even when this proxy's configuration no
 -- longer routes the model there (a rollout): that provider's pins key then comes last in KEYS.
 local old = ctx.by_name[pin.provider] or {pins_key = KEYS[#KEYS]}
+retire_session_leases(ctx, pin)
 drop_pin(ctx, old, pin)
 local new_pin, lease_deadline = create_pin(ctx, target, new_pin_id, lease_id)
 return reply(ctx, 'ADMITTED', new_pin, lease_id, lease_deadline)

@@ -3,8 +3,10 @@
 --
 -- KEYS: [1] the session's pin (hash: provider, id, deadline, expiry)
 --       [2] the session's leases on its current pin (zset: lease id -> lease deadline, ms)
---       [1+2i] provider i's live pins of this model (zset: pin id -> pin expiry, ms)
---       [2+2i] provider i's leases of this model (zset: lease id -> lease deadline, ms)
+--       [3] the session's leases on its earlier pins, still running after a compare-and-swap
+--           moved the pin (zset: "<provider>/<lease id>" -> lease deadline, ms)
+--       [2+2i] provider i's live pins of this model (zset: pin id -> pin expiry, ms)
+--       [3+2i] provider i's leases of this model (zset: lease id -> lease deadline, ms)
 -- ARGV: [1] now in ms, or "" to take Redis TIME (tests pass an explicit time, production never)
 --       [2] pin inactivity timeout ms, [3] lease timeout ms, [4] housekeeping grace ms for key TTLs
 --       [5] n providers, then 5 per provider: name, max pinned sessions, max global in-flight
@@ -14,6 +16,9 @@
 -- A pin is live while its expiry is in the future; expiry = max(inactivity deadline, deadline of
 -- every lease on the pin), so a live lease keeps its pin alive and counts never include the dead.
 -- Every check comes before every write: scripts do not roll back.
+-- The per-session limit counts every live lease of the session on the pair, whichever of its
+-- pins it was admitted on (issue 10, item 8): a session repinned away and back while its
+-- requests run there never has more than max_per_session in flight on one pair.
 
 local NO_LIMIT = -1
 local CLEANUP_BATCH = 64
@@ -31,6 +36,7 @@ local function read_context()
     grace = tonumber(ARGV[4]),
     pin_key = KEYS[1],
     session_leases_key = KEYS[2],
+    session_earlier_key = KEYS[3],
     by_name = {},
   }
   local n = tonumber(ARGV[5])
@@ -42,8 +48,8 @@ local function read_context()
       max_global = tonumber(ARGV[at + 3]),
       reserved = tonumber(ARGV[at + 4]),
       max_per_session = tonumber(ARGV[at + 5]),
-      pins_key = KEYS[1 + 2 * i],
-      leases_key = KEYS[2 + 2 * i],
+      pins_key = KEYS[2 + 2 * i],
+      leases_key = KEYS[3 + 2 * i],
     }
   end
   ctx.args_at = 6 + n * 5
@@ -107,6 +113,48 @@ end
 local function lease_on_pin(ctx, p, pin, lease_id)
   return pin ~= nil and pin.provider == p.name
     and redis.call('ZSCORE', ctx.session_leases_key, lease_id) ~= false
+end
+
+local function earlier_member(p, lease_id)
+  return p.name .. '/' .. lease_id
+end
+
+-- The session's live leases on pair p from its earlier pins. O(the session's earlier leases).
+local function earlier_in_flight(ctx, p)
+  local prefix = p.name .. '/'
+  local n = 0
+  for _, member in ipairs(redis.call('ZRANGEBYSCORE', ctx.session_earlier_key, '(' .. ctx.now, '+inf')) do
+    if string.sub(member, 1, #prefix) == prefix then
+      n = n + 1
+    end
+  end
+  return n
+end
+
+-- A compare-and-swap moves the pin away: the old pin's live leases keep counting against the
+-- session's per-session limit on their pair, as earlier leases.
+local function retire_session_leases(ctx, pin)
+  local live = redis.call('ZRANGEBYSCORE', ctx.session_leases_key, '(' .. ctx.now, '+inf', 'WITHSCORES')
+  local latest = 0
+  for i = 1, #live, 2 do
+    redis.call('ZADD', ctx.session_earlier_key, live[i + 1], pin.provider .. '/' .. live[i])
+    latest = math.max(latest, tonumber(live[i + 1]))
+  end
+  redis.call('ZREMRANGEBYSCORE', ctx.session_earlier_key, '-inf', ctx.now)
+  if latest > 0 then
+    redis.call('PEXPIRE', ctx.session_earlier_key, ctx.lease_timeout + ctx.grace)
+  end
+end
+
+-- A renewal or a release of a lease that is not the current pin's: its earlier-lease record follows.
+local function renew_earlier(ctx, p, lease_id, deadline)
+  if redis.call('ZADD', ctx.session_earlier_key, 'XX', 'CH', deadline, earlier_member(p, lease_id)) > 0 then
+    redis.call('PEXPIRE', ctx.session_earlier_key, ctx.lease_timeout + ctx.grace)
+  end
+end
+
+local function forget_earlier(ctx, p, lease_id)
+  redis.call('ZREM', ctx.session_earlier_key, earlier_member(p, lease_id))
 end
 
 local function latest_session_lease_deadline(ctx)
@@ -184,7 +232,7 @@ end
 -- The body of try_admit_unpinned_session_request once the session is known to have no live pin.
 local function admit_new_pin(ctx, p, lease_id, pin_id)
   tidy_provider(ctx, p)
-  local result = capacity_result(ctx, p, 0, false, true)
+  local result = capacity_result(ctx, p, earlier_in_flight(ctx, p), false, true)
   if result ~= 'ADMITTED' then
     return reply(ctx, result, nil)
   end
@@ -195,7 +243,7 @@ end
 -- The body of try_admit_pinned_session_request once the live pin and its provider are known.
 local function admit_on_pin(ctx, p, pin, lease_id)
   tidy_provider(ctx, p)
-  local session_in_flight = live_count(ctx.session_leases_key, ctx.now)
+  local session_in_flight = live_count(ctx.session_leases_key, ctx.now) + earlier_in_flight(ctx, p)
   local result = capacity_result(ctx, p, session_in_flight, true, false)
   if result ~= 'ADMITTED' then
     return reply(ctx, result, pin)

@@ -14,6 +14,7 @@ if not score then
   return reply(ctx, 'NOT_FOUND', nil, lease_id)
 end
 redis.call('ZREM', p.leases_key, lease_id)
+forget_earlier(ctx, p, lease_id)
 local pin = read_pin(ctx)
 local on_pin = lease_on_pin(ctx, p, pin, lease_id)
 if score <= ctx.now then

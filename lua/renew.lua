@@ -21,6 +21,7 @@ if lease_on_pin(ctx, p, pin, lease_id) then
   pin.expiry = math.max(pin.expiry, deadline)
   save_pin(ctx, p, pin)
 else
+  renew_earlier(ctx, p, lease_id, deadline)
   pin = nil
 end
 return reply(ctx, 'RENEWED', pin, lease_id, deadline)

@@ -503,7 +503,7 @@ end
 return cjson.encode(out)
 """
 
-KEY = re.compile(r"^\{(?P<prefix>[^:}]+):(?P<model>[^}]+)\}:(?P<kind>pin|session-leases|pins|leases|degraded):(?P<name>.*)$")
+KEY = re.compile(r"^\{(?P<prefix>[^:}]+):(?P<model>[^}]+)\}:(?P<kind>pin|session-leases|session-earlier-leases|pins|leases|degraded):(?P<name>.*)$")
 
 
 @dataclass
@@ -601,7 +601,8 @@ def check_redis(keys: dict[tuple[str, str, str], Key], checker: Checker, now: in
                 expect(len(live_pins) <= limits.max_pinned_sessions, f"{where}: {len(live_pins)} pins")
 
     sessions = {(pin.model, pin.session) for pin in model.pins}
-    sessions |= {(m, owner) for (m, kind, owner) in keys if kind in ("pin", "session-leases")}
+    sessions |= {(m, owner) for (m, kind, owner) in keys if kind in ("pin", "session-leases", "session-earlier-leases")}
+    sessions |= {(lease.model, lease.session) for lease in model.leases if lease.session is not None}
     for model_name, session in sorted(sessions):
         where = f"session {session}/{model_name} at {now}"
         pin = model.live_pin_at(model_name, session, now)
@@ -625,6 +626,16 @@ def check_redis(keys: dict[tuple[str, str, str], Key], checker: Checker, now: in
         live = {i: d for i, d in (session_leases.content if session_leases else {}).items() if d > now}
         expected = {lease.id: lease.deadline for lease in model.live_leases_on_pin(pin, now)} if pin else {}
         expect(live == expected, f"{where}: session leases {live}, model {expected}")
+        # The session's leases still running from its earlier pins (issue 10, item 8).
+        earlier = keys.get((model_name, "session-earlier-leases", session))
+        live_earlier = {i: d for i, d in (earlier.content if earlier else {}).items() if d > now}
+        expected_earlier = {
+            f"{lease.provider}/{lease.id}": lease.deadline
+            for lease in model.leases
+            if lease.model == model_name and lease.session == session and lease.deadline > now
+            and (pin is None or lease.pin_id != pin.id)
+        }
+        expect(live_earlier == expected_earlier, f"{where}: earlier leases {live_earlier}, model {expected_earlier}")
         if pin is not None:
             limits = model.pairs.get((pin.provider, model_name))
             if limits is not None and limits.max_per_session_in_flight_request_slots is not None:

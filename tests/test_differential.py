@@ -320,6 +320,42 @@ class DifferentialMachine(RuleBasedStateMachine):
             self.now += dt
             self.call(self.real.release_request_lease(in_flight.lease, refresh))
 
+    @rule(dt=DT, model=st.sampled_from(MODELS), who=st.integers(0, 8), to=st.integers(0, 3),
+          count=st.integers(0, 2), back=st.sampled_from(["cas", "new_pin"]))
+    def repin_away_and_back_under_live_requests(self, model, who, to, count, back, dt):
+        """Issue 10, item 8: requests run on the session's pin, the pin moves away, then back
+        (a compare-and-swap; or the new pin dies and the session pins anew) and more requests of
+        the session come: they count against the per-session limit on the pair together with the
+        ones still running there."""
+        session = self.session(model, who)
+        pin = self.model.live_pin_at(model, session, self.now)
+        if pin is None:
+            return
+        home = pin.provider
+        for _ in range(count):
+            self.call(self.real.try_admit_pinned_session_request(model, session, lease_id=next(self.fresh)))
+        providers = [p for p, m in PAIRS if m == model and p != home]
+        targets = (providers[to % len(providers)], home) if back == "cas" else (providers[to % len(providers)],)
+        for target in targets:
+            current = self.model.live_pin_at(model, session, self.now)
+            if current is None:
+                return
+            self.now += dt
+            expected = Pin(current.provider, self.checker.pin_ids.to_real[current.id], 0, 0)
+            cas = self.call(self.real.try_compare_and_swap_pin_and_admit_request(
+                expected, model, session, target, lease_id=next(self.fresh)))
+        if back == "new_pin":
+            if cas.admission.lease is None:
+                return
+            self.call(self.real.release_request_lease(cas.admission.lease, False))
+            moved = self.model.current_pin(model, session)
+            self.now = max(self.now, moved.deadline + 1)  # the pin away dies; the requests at home may run on
+            for _ in range(2):
+                self.call(self.real.try_admit_unpinned_session_request(home, model, session, lease_id=next(self.fresh)))
+            return
+        for _ in range(2):
+            self.call(self.real.try_admit_pinned_session_request(model, session, lease_id=next(self.fresh)))
+
     @precondition(lambda self: self.leases)
     @rule(dt=DT, index=st.integers(0, 50))
     def renew(self, index, dt):

@@ -4,6 +4,7 @@ and an outage; the limits the providers observe hold during and after, under eac
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import threading
 import time
@@ -11,6 +12,8 @@ import time
 import httpx
 import pytest
 
+from irislab.processes import free_port
+from tests.fleet import LoadPlan, run_load
 from tests.gateway_support import (
     LIMITS,
     MODEL,
@@ -142,4 +145,60 @@ def test_an_outage_under_long_streams_keeps_every_limit(tmp_path, policy):
             assert peak <= LIMITS["max_global_in_flight_request_slots"], (provider, peak)
         assert wait_for_no_leases(redis_client(gateway), within_seconds=1.0) == 0
     finally:
+        gateway.stop()
+
+
+def local_leases(metrics_url: str) -> float:
+    for line in httpx.get(metrics_url, timeout=5).text.splitlines():
+        if line.startswith("iris_local_leases "):
+            return float(line.split()[1])
+    raise AssertionError("no iris_local_leases metric")
+
+
+@pytest.mark.slow
+def test_continuous_traffic_through_a_recovery_leaves_no_local_lease(tmp_path):
+    data = gateway_config()
+    metrics_port = free_port()
+    gateway = start_gateway(
+        tmp_path,
+        lease_timeout_seconds=LEASE_TIMEOUT,
+        redis=dict(data["redis"], outage_policy="local_share", socket_timeout_seconds=0.2),
+        server=dict(data["server"], metrics_listen=f"127.0.0.1:{metrics_port}"),
+    )
+    metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+    try:
+        time.sleep(1.2)  # one heartbeat: the instance knows N
+        stop = threading.Event()
+        plan = LoadPlan(requests=100_000, sessions=40, concurrency=8, stream_share=1.0, abort_share=0.0, max_tokens=10)
+        box: dict = {}
+
+        def load() -> None:
+            async def run():
+                flag = asyncio.Event()
+                watcher = asyncio.get_running_loop().run_in_executor(None, lambda: stop.wait(120))
+                watcher.add_done_callback(lambda _: flag.set())
+                return await run_load([gateway.url], plan, stop=flag)
+
+            box["result"] = asyncio.run(run())
+
+        thread = threading.Thread(target=load)
+        thread.start()
+        time.sleep(1.0)
+        gateway.redis.popen.send_signal(signal.SIGSTOP)
+        time.sleep(2.0)
+        assert local_leases(metrics_url) > 0  # own providers took their local share meanwhile
+        gateway.redis.popen.send_signal(signal.SIGCONT)
+        # Traffic goes on; recovery adopts until nothing local is left.
+        assert wait_until(lambda: local_leases(metrics_url) == 0, within_seconds=10)
+        time.sleep(1.0)
+        assert local_leases(metrics_url) == 0
+        stop.set()
+        thread.join(timeout=60)
+        records = box["result"].records
+        assert records and [r for r in records if r.transport_error] == []
+        for provider, peak in own_peaks(gateway).items():
+            assert peak <= LIMITS["max_global_in_flight_request_slots"], (provider, peak)
+        assert wait_for_no_leases(redis_client(gateway), within_seconds=2.0) == 0
+    finally:
+        gateway.redis.popen.send_signal(signal.SIGCONT)
         gateway.stop()

@@ -381,3 +381,46 @@ async def test_adoption_brings_back_an_expired_lease_and_never_shortens_one(stat
     assert (await state.renew_request_lease(first.lease, now_ms=after_expiry + 1)).result is Result.RENEWED
     again = await state.adopt_request_lease(first.lease, now_ms=after_expiry - LEASE_MS)
     assert again.lease.deadline_ms == after_expiry + 1 + LEASE_MS
+
+
+async def test_repin_back_counts_the_requests_still_running_on_the_pair(state, redis_client):
+    """Issue 10, item 8: 2 requests run on iris-1 (per-session limit 2), the pin moves to iris-2
+    and back while they run: the session may not get more on iris-1 until they end."""
+    first = await pin_new_session(state)
+    second = await state.try_admit_pinned_session_request("m", "s1", now_ms=T0 + 1)
+    assert second.result is Result.ADMITTED
+    away = await state.try_compare_and_swap_pin_and_admit_request(first.pin, "m", "s1", "iris-2", now_ms=T0 + 2)
+    assert away.admission.result is Result.ADMITTED
+    await state.release_request_lease(away.admission.lease, refresh_pin=False, now_ms=T0 + 3)
+    back = await state.try_compare_and_swap_pin_and_admit_request(away.admission.pin, "m", "s1", "iris-1", now_ms=T0 + 4)
+    assert back.admission.result is Result.PER_SESSION_IN_FLIGHT_REQUEST_LIMIT_REACHED
+    # One of the two ends: the pin may come back, with one more request, and no further.
+    await state.release_request_lease(first.lease, refresh_pin=True, now_ms=T0 + 5)
+    back = await state.try_compare_and_swap_pin_and_admit_request(away.admission.pin, "m", "s1", "iris-1", now_ms=T0 + 6)
+    assert back.admission.result is Result.ADMITTED
+    more = await state.try_admit_pinned_session_request("m", "s1", now_ms=T0 + 7)
+    assert more.result is Result.PER_SESSION_IN_FLIGHT_REQUEST_LIMIT_REACHED
+    # Renewals keep the earlier request counted past its first deadline.
+    assert (await state.renew_request_lease(second.lease, now_ms=T0 + LEASE_MS - 1)).result is Result.RENEWED
+    await state.release_request_lease(back.admission.lease, refresh_pin=True, now_ms=T0 + LEASE_MS)
+    later = await state.try_admit_pinned_session_request("m", "s1", now_ms=T0 + LEASE_MS + 10)
+    assert later.result is Result.ADMITTED  # the earlier one (renewed) plus this one: 2
+    again = await state.try_admit_pinned_session_request("m", "s1", now_ms=T0 + LEASE_MS + 11)
+    assert again.result is Result.PER_SESSION_IN_FLIGHT_REQUEST_LIMIT_REACHED
+
+
+async def test_a_new_pin_counts_the_sessions_earlier_requests_on_the_pair(state):
+    first = await pin_new_session(state)
+    await state.try_admit_pinned_session_request("m", "s1", now_ms=T0 + 1)
+    away = await state.try_compare_and_swap_pin_and_admit_request(first.pin, "m", "s1", "tensorx", now_ms=T0 + 2)
+    assert away.admission.result is Result.ADMITTED
+    await state.release_request_lease(away.admission.lease, refresh_pin=False, now_ms=T0 + 3)
+    dead = T0 + PIN_MS + 10  # the pin on tensorx is dead; renewals keep the two on iris-1 running
+    for t in range(T0 + LEASE_MS // 2, dead, LEASE_MS // 2):
+        assert (await state.renew_request_lease(first.lease, now_ms=t)).result is Result.RENEWED
+    assert await state.get_pin("m", "s1", now_ms=dead) is None
+    # One earlier request still runs (the other expired unrenewed): one more fits, not two.
+    assert (await state.try_admit_unpinned_session_request("iris-1", "m", "s1", now_ms=dead)).result is Result.ADMITTED
+    assert (await state.try_admit_pinned_session_request("m", "s1", now_ms=dead + 1)).result is (
+        Result.PER_SESSION_IN_FLIGHT_REQUEST_LIMIT_REACHED
+    )

@@ -225,22 +225,21 @@ class RoutingModel:
         now: int,
         *,
         needs_new_pin: bool,
-        session_pin: PinRecord | None,
-        has_session: bool,
+        session: str | None,
         may_use_reserved: bool,
     ) -> str:
-        """The capacity checks, in order, for one request on the pair. `session_pin` is the
-        session's current pin when the request is admitted on it (None for a new pin)."""
+        """The capacity checks, in order, for one request on the pair. `session`: the request's
+        session (None for a temporary request). The per-session count is every live lease of the
+        session on the pair, whichever of its pins it was admitted on (issue 10, item 8: a session
+        repinned away and back while its requests run keeps its per-session limit)."""
         limits = self.pairs[(provider, model)]
         if limits is None:
             return ADMITTED
         if needs_new_pin and limits.max_pinned_sessions is not None:
             if len(self.live_pins_on_pair(model, provider, now)) >= limits.max_pinned_sessions:
                 return PIN_LIMIT_REACHED
-        if has_session and limits.max_per_session_in_flight_request_slots is not None:
-            in_flight_for_session = 0
-            if session_pin is not None:
-                in_flight_for_session = len(self.live_leases_on_pin(session_pin, now))
+        if session is not None and limits.max_per_session_in_flight_request_slots is not None:
+            in_flight_for_session = len([lease for lease in self.live_leases_on_pair(model, provider, now) if lease.session == session])
             if in_flight_for_session >= limits.max_per_session_in_flight_request_slots:
                 return PER_SESSION_IN_FLIGHT_REQUEST_LIMIT_REACHED
         if limits.max_global_in_flight_request_slots is not None:
@@ -297,7 +296,7 @@ class RoutingModel:
         if pin is not None:
             return Admission(ALREADY_PINNED, self.view_pin(pin), None)
         result = self.capacity(
-            model, provider, now, needs_new_pin=True, session_pin=None, has_session=True, may_use_reserved=False
+            model, provider, now, needs_new_pin=True, session=session, may_use_reserved=False
         )
         if result != ADMITTED:
             return Admission(result, None, None)
@@ -320,7 +319,7 @@ class RoutingModel:
         if replay is not None:
             return replay
         result = self.capacity(
-            model, pin.provider, now, needs_new_pin=False, session_pin=pin, has_session=True, may_use_reserved=True
+            model, pin.provider, now, needs_new_pin=False, session=session, may_use_reserved=True
         )
         if result != ADMITTED:
             return Admission(result, self.view_pin(pin), None)
@@ -339,7 +338,7 @@ class RoutingModel:
         if pin.provider == provider:
             return CasResult(MATCHED, Admission(ALREADY_PINNED, self.view_pin(pin), None))
         result = self.capacity(
-            model, provider, now, needs_new_pin=True, session_pin=None, has_session=True, may_use_reserved=False
+            model, provider, now, needs_new_pin=True, session=session, may_use_reserved=False
         )
         if result != ADMITTED:
             return CasResult(MATCHED, Admission(result, self.view_pin(pin), None))
@@ -352,7 +351,7 @@ class RoutingModel:
         if replay is not None:
             return replay
         result = self.capacity(
-            model, provider, now, needs_new_pin=False, session_pin=None, has_session=False, may_use_reserved=False
+            model, provider, now, needs_new_pin=False, session=None, may_use_reserved=False
         )
         if result != ADMITTED:
             return Admission(result, None, None)

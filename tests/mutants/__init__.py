@@ -52,7 +52,8 @@ MUTANTS = (
     Mutant(
         "repin_uses_reserved_slots",
         "a compare-and-swap repin (a new pin) may use the reserved slots",
-        (("cas_repin", "capacity_result(ctx, target, 0, false, true)", "capacity_result(ctx, target, 0, true, true)"),),
+        (("cas_repin", "capacity_result(ctx, target, earlier_in_flight(ctx, target), false, true)",
+          "capacity_result(ctx, target, earlier_in_flight(ctx, target), true, true)"),),
     ),
     Mutant(
         "temporary_requests_unlimited",
@@ -189,6 +190,17 @@ MUTANTS = (
         "the per-session check counts every lease of the pair instead of the session's",
         (("admit_pinned", "local session_in_flight = live_count(ctx.session_leases_key, ctx.now)",
           "local session_in_flight = live_count(p.leases_key, ctx.now)"),),
+    ),
+    Mutant(
+        "per_session_limit_forgets_earlier_pins",
+        "a session repinned away and back while its requests run there is admitted on top of them (issue 10, item 8)",
+        (("lib", "live_count(ctx.session_leases_key, ctx.now) + earlier_in_flight(ctx, p)",
+          "live_count(ctx.session_leases_key, ctx.now)"),),
+    ),
+    Mutant(
+        "repin_forgets_the_running_requests_of_the_old_pin",
+        "a compare-and-swap drops the old pin's running requests from the session's count",
+        (("cas_repin", "\nretire_session_leases(ctx, pin)\ndrop_pin", "\ndrop_pin"),),
     ),
     Mutant(
         "unlimited_pairs_limited",
