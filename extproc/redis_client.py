@@ -67,7 +67,7 @@ def open_redis(settings: RedisSettings, timeout_seconds: float | None = None) ->
         return sentinel.master_for(
             settings.sentinel.service_name,
             max_connections=settings.max_connections,
-            retry=Retry(NoBackoff(), retries=1),
+            retry=Retry(NoBackoff(), retries=1, supported_errors=(ConnectionError,)),  # never a timeout
             retry_on_error=[ConnectionError],
         )
     auth = {k: v for k, v in (("username", settings.username), ("password", password)) if v}
