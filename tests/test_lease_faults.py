@@ -12,7 +12,6 @@ import time
 import httpx
 import pytest
 
-from irislab.processes import free_port
 from tests.fleet import LoadPlan, run_load
 from tests.gateway_support import (
     LIMITS,
@@ -158,14 +157,10 @@ def local_leases(metrics_url: str) -> float:
 @pytest.mark.slow
 def test_continuous_traffic_through_a_recovery_leaves_no_local_lease(tmp_path):
     data = gateway_config()
-    metrics_port = free_port()
     gateway = start_gateway(
-        tmp_path,
-        lease_timeout_seconds=LEASE_TIMEOUT,
-        redis=dict(data["redis"], outage_policy="local_share", socket_timeout_seconds=0.2),
-        server=dict(data["server"], metrics_listen=f"127.0.0.1:{metrics_port}"),
+        tmp_path, lease_timeout_seconds=LEASE_TIMEOUT, redis=dict(data["redis"], outage_policy="local_share", socket_timeout_seconds=0.2)
     )
-    metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+    metrics_url = gateway.running[0].metrics_url
     try:
         time.sleep(1.2)  # one heartbeat: the instance knows N
         stop = threading.Event()
