@@ -313,10 +313,20 @@ class ServerSettings(_Strict):
     reload_poll_seconds: float = Field(default=1.0, ge=0)  # 0: reload on SIGHUP only
 
 
+DEFAULT_MAX_PINNED_SESSIONS_UNLIMITED = 100_000
+
+
 class Config(_Strict):
-    """The whole gateway configuration. Durations in seconds."""
+    """The whole gateway configuration. Durations in seconds.
+
+    `max_pinned_sessions_unlimited`: the pin limit of every pair without a configured
+    `max_pinned_sessions` (an unlimited provider's pairs, a managed pair without limits), so
+    Redis memory stays bounded whatever clients send (README, "Bounded routing state"); null
+    removes the bound. A new session refused a pin only by this cap is routed as a request
+    without a session (extproc.routing)."""
 
     providers: list[Provider] = Field(min_length=1)
+    max_pinned_sessions_unlimited: int | None = Field(default=DEFAULT_MAX_PINNED_SESSIONS_UNLIMITED, ge=1)
     pin_inactivity_timeout_seconds: float = Field(default=300, gt=0)
     lease_timeout_seconds: float = Field(default=30, gt=0)
     max_routing_attempts: int = Field(default=10, ge=1)
@@ -341,6 +351,14 @@ class Config(_Strict):
     def models(self) -> list[str]:
         """Every model some provider serves, in first-seen order."""
         return list(dict.fromkeys(m for p in self.providers for m in p.models))
+
+    def pin_limit(self, provider: Provider, model: str) -> tuple[int | None, bool]:
+        """The live pins the pair (provider, model) may hold: (limit or None for none, whether
+        the limit is the `max_pinned_sessions_unlimited` cap rather than the pair's own)."""
+        limits = provider.limits(model)
+        if limits is not None and limits.max_pinned_sessions is not None:
+            return limits.max_pinned_sessions, False
+        return self.max_pinned_sessions_unlimited, self.max_pinned_sessions_unlimited is not None
 
     def provider(self, name: str) -> Provider:
         """The provider named `name`. Raises KeyError when there is none."""

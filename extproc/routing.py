@@ -13,6 +13,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from extproc import metrics
 from extproc.config import Config, Provider, ProviderKind
 from extproc.degraded import DegradedFlags
 from extproc.previous_provider import PreviousProviders
@@ -154,7 +155,13 @@ class Router:
         order: list[Provider] | None = None,
     ) -> Outcome | _Retry:
         """`first_admission`: the first candidate's answer, when already fetched, with `order`,
-        the candidates it was fetched for (default: `pin_order` computed now)."""
+        the candidates it was fetched for (default: `pin_order` computed now).
+
+        Beyond the spec: when no provider pins the session and one refused only because of the
+        `max_pinned_sessions_unlimited` cap, the request is routed as one without a session
+        (execute_request_without_pinning): a pair without limits has room for any request, the
+        spec says, so the cap costs the session its pin, never its answer."""
+        capped = False
         for index, provider in enumerate(order if order is not None else self.pin_order(request)):
             if index == 0 and first_admission is not None:
                 admission = first_admission
@@ -166,6 +173,9 @@ class Router:
                 return RETRY_ROUTING
             if admission.result is Result.ADMITTED:
                 return self.execute_on_pinned_provider(admission, Reason.NEW_PIN)
+            capped = capped or self._refused_by_pin_cap(provider, request.model, admission)
+        if capped:
+            return await self.execute_request_without_pinning(request)
         return self.reject_request_as_unsupported_or_unavailable(request)
 
     async def execute_pinned_request(
@@ -198,6 +208,9 @@ class Router:
     async def try_repin_to_other_provider_and_retry_execute(
         self, request: RoutingRequest, ids: Ids, current_pin: Pin
     ) -> Outcome | _Retry:
+        """Beyond the spec, as in execute_not_yet_pinned_request: when the only refusals were
+        the `max_pinned_sessions_unlimited` cap's, the request is offloaded (its pin kept)."""
+        capped = False
         for provider in self.eligible(request):
             if provider.name == current_pin.provider:
                 continue
@@ -211,6 +224,11 @@ class Router:
             if cas.admission.result is Result.ALREADY_PINNED:
                 return RETRY_ROUTING
             # Not enough pin or request capacity there; the pin is unchanged: try the next one.
+            capped = capped or self._refused_by_pin_cap(provider, request.model, cas.admission)
+        if capped:
+            pinned = self._by_name.get(current_pin.provider)
+            excluded = pinned if pinned is not None and request.model in pinned.models else None
+            return await self.execute_temporary_fallback(request, excluded_provider=excluded)
         return self.reject_request_as_unsupported_or_unavailable(request)
 
     async def execute_temporary_fallback(
@@ -249,6 +267,13 @@ class Router:
 
     def provider_has_configured_limits(self, provider: Provider, model: str) -> bool:
         return provider.limits(model) is not None
+
+    def _refused_by_pin_cap(self, provider: Provider, model: str, admission: Admission) -> bool:
+        """Whether `admission` refused a new pin because of max_pinned_sessions_unlimited."""
+        capped = admission.result is Result.PIN_LIMIT_REACHED and self.config.pin_limit(provider, model)[1]
+        if capped:
+            metrics.PIN_CAP_REACHED.labels(provider.name, model).inc()
+        return capped
 
     def _supports(self, provider: Provider, request: RoutingRequest) -> bool:
         return provider.supports(request.model, request.feature, request.sub_features)

@@ -211,7 +211,7 @@ class RoutingState:
                 for p in providers
                 for key in (self.keys.provider_pins(model, p.name), self.keys.provider_leases(model, p.name))
             ]
-            self._model_args[model] = [*self._timing, len(providers), *_limits_args(model, providers)]
+            self._model_args[model] = [*self._timing, len(providers), *_limits_args(config, model, providers)]
 
     async def load_scripts(self) -> None:
         """Load every script into the Redis script cache (optional: calls load on demand)."""
@@ -365,16 +365,20 @@ class RoutingState:
         return await self._scripts[script](self.redis, keys, args)
 
 
-def _limits_args(model: str, providers: list[Provider]) -> list[object]:
+def _limits_args(config: Config, model: str, providers: list[Provider]) -> list[object]:
+    """Per provider: name and the spec's four limits. The pin limit of a pair that configures
+    none is config.max_pinned_sessions_unlimited (Config.pin_limit), so the scripts bound it
+    through the spec's own PIN_LIMIT_REACHED path."""
     out: list[object] = []
     for provider in providers:
         limits = provider.limits(model)
+        max_pins = _limit(config.pin_limit(provider, model)[0])
         if limits is None:
-            out += [provider.name, NO_LIMIT, NO_LIMIT, 0, NO_LIMIT]
+            out += [provider.name, max_pins, NO_LIMIT, 0, NO_LIMIT]
             continue
         out += [
             provider.name,
-            _limit(limits.max_pinned_sessions),
+            max_pins,
             _limit(limits.max_global_in_flight_request_slots),
             limits.global_in_flight_request_slots_reserved_for_pinned_sessions,
             _limit(limits.max_per_session_in_flight_request_slots),

@@ -162,10 +162,13 @@ def test_bad_requests_get_openai_errors_and_leave_no_lease(gw, content, status, 
 
 
 def test_oversized_body_gets_413(gw):
-    big = b'{"model": "llama-3.1-70b", "messages": [{"role": "user", "content": "' + b"a" * (17 * 1024 * 1024) + b'"}]}'
+    # Over server.max_body_bytes (16 MiB) but within Envoy's buffer (16 MiB + 64 KiB): the
+    # ext_proc server's own 413, which names the limit.
+    big = b'{"model": "llama-3.1-70b", "messages": [{"role": "user", "content": "' + b"a" * (16 * 1024 * 1024) + b'"}]}'
     response = post(gw, "/v1/chat/completions", content=big, headers={"content-type": "application/json"})
     assert response.status_code == 413
     assert response.json()["error"]["code"] == "request_too_large"
+    assert "larger than 16777216 bytes" in response.json()["error"]["message"]
     assert live_leases(redis_client(gw)) == 0
 
 

@@ -132,6 +132,7 @@ def io(redis_server):
 
 
 def test_concurrent_routing_matches_the_model(io):
+    H.OUTCOMES.clear()
     machine = type("Machine", (RouterMachine,), {"io": io})
     run_state_machine_as_test(
         machine,
@@ -144,3 +145,6 @@ def test_concurrent_routing_matches_the_model(io):
             suppress_health_check=list(HealthCheck),
         ),
     )
+    # The pin cap of pairs without a pin limit (issue 15) is met here: pins live 600 s, so the
+    # three sessions fill the one-pin caps and a session's request is routed without a pin.
+    assert H.OUTCOMES[H.CAPPED_SESSION] > 0, H.OUTCOMES

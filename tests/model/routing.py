@@ -45,6 +45,7 @@ class Provider:
     managed: bool
     features: dict[str, frozenset[str]]  # model -> features
     limited: dict[str, bool]  # model -> the pair has a limits block
+    pin_capped: dict[str, bool]  # model -> the pair's pin limit is max_pinned_sessions_unlimited
 
     def supports(self, model: str, feature: str, sub_features: frozenset[str]) -> bool:
         if model not in self.features:
@@ -68,6 +69,11 @@ def providers_from_config(config) -> list[Provider]:
             p.kind.value == "managed",
             {m: frozenset(e.features) for m, e in p.models.items()},
             {m: e.limits is not None for m, e in p.models.items()},
+            {
+                m: config.max_pinned_sessions_unlimited is not None
+                and (e.limits is None or e.limits.max_pinned_sessions is None)
+                for m, e in p.models.items()
+            },
         )
         (managed if provider.managed else unlimited).append(provider)
     return managed + unlimited
@@ -156,6 +162,7 @@ class ModelRouter:
         return (yield from self.execute_temporary_fallback(request, excluded_provider=None, reason=UNPINNED))
 
     def execute_not_yet_pinned_request(self, request: Request) -> Generator:
+        refused_by_cap = False
         for provider in self.providers:
             if not provider.supports(request.model, request.feature, request.sub_features):
                 continue
@@ -167,6 +174,12 @@ class ModelRouter:
             if admission.result == S.ADMITTED:
                 return self.execute_on_pinned_provider(admission, NEW_PIN)
             # A capacity result: try the next provider.
+            if admission.result == S.PIN_LIMIT_REACHED and provider.pin_capped[request.model]:
+                refused_by_cap = True
+        if refused_by_cap:
+            # Issue 15: refused a pin only by the cap on pairs without a pin limit, the session
+            # is routed as a request without one.
+            return (yield from self.execute_request_without_pinning(request))
         return self.reject_request_as_unsupported_or_unavailable(request)
 
     def execute_pinned_request(self, request: Request, pin: S.Pin) -> Generator:
@@ -199,6 +212,7 @@ class ModelRouter:
         return self.execute_on_pinned_provider(admission, PINNED)
 
     def try_repin_to_other_provider_and_retry_execute(self, request: Request, current_pin: S.Pin) -> Generator:
+        refused_by_cap = False
         for provider in self.providers:
             if provider.name == current_pin.provider:
                 continue
@@ -214,6 +228,13 @@ class ModelRouter:
             if result.admission.result == S.ALREADY_PINNED:
                 return RETRY_ROUTING
             # A capacity result: the pin is unchanged, try the next provider.
+            if result.admission.result == S.PIN_LIMIT_REACHED and provider.pin_capped[request.model]:
+                refused_by_cap = True
+        if refused_by_cap:
+            # Issue 15: the pin is kept and the request served once elsewhere.
+            excluded = self.provider_named(current_pin.provider, request.model)
+            reason = UNPINNED if excluded is None else OFFLOADED
+            return (yield from self.execute_temporary_fallback(request, excluded_provider=excluded, reason=reason))
         return self.reject_request_as_unsupported_or_unavailable(request)
 
     def execute_temporary_fallback(self, request: Request, excluded_provider: Provider | None, reason: str) -> Generator:

@@ -139,12 +139,24 @@ def limits_from_config(config) -> dict[tuple[str, str], Limits | None]:
     return pairs
 
 
+def pin_caps_from_config(config) -> dict[tuple[str, str], int | None]:
+    """{(provider, model): the cap on live pins of a pair that configures no max_pinned_sessions
+    (config.max_pinned_sessions_unlimited), or None} (issue 15: bounded routing state)."""
+    caps: dict[tuple[str, str], int | None] = {}
+    for provider in config.providers:
+        for model, entry in provider.models.items():
+            configured = entry.limits is not None and entry.limits.max_pinned_sessions is not None
+            caps[(provider.name, model)] = None if configured else config.max_pinned_sessions_unlimited
+    return caps
+
+
 class RoutingModel:
     """The routing state with explicit time (ms). Operations and result names are those of
     extproc.state.RoutingState; renew and release name the lease by (model, provider, id)."""
 
     def __init__(self, config, pin_timeout_ms: int, lease_timeout_ms: int):
         self.pairs = limits_from_config(config)
+        self.pin_caps = pin_caps_from_config(config)
         self.pin_timeout = pin_timeout_ms
         self.lease_timeout = lease_timeout_ms
         self.leases: list[LeaseRecord] = []
@@ -232,6 +244,10 @@ class RoutingModel:
         session (None for a temporary request). The per-session count is every live lease of the
         session on the pair, whichever of its pins it was admitted on (issue 10, item 8: a session
         repinned away and back while its requests run keeps its per-session limit)."""
+        cap = self.pin_caps[(provider, model)]
+        if needs_new_pin and cap is not None:
+            if len(self.live_pins_on_pair(model, provider, now)) >= cap:
+                return PIN_LIMIT_REACHED
         limits = self.pairs[(provider, model)]
         if limits is None:
             return ADMITTED
