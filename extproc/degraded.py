@@ -19,7 +19,6 @@ waits on it and all proxies agree within one refresh interval.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from dataclasses import dataclass
 
@@ -28,6 +27,7 @@ from redis.exceptions import RedisError
 
 from extproc.config import Config, ProviderKind
 from extproc.state import Keyspace
+from extproc.supervision import run_every
 
 log = logging.getLogger(__name__)
 
@@ -146,13 +146,15 @@ class DegradedFlags:
 
     async def run_refresher(self, interval_seconds: float) -> None:
         """Refresh every `interval_seconds` until cancelled; a failed refresh keeps the old
-        snapshot and is retried at the next tick."""
-        while True:
-            try:
-                await self.refresh()
-            except RedisError as exc:
-                log.warning("degraded flags not refreshed: %s", exc)
-            await asyncio.sleep(interval_seconds)
+        snapshot and is retried at the next tick. Supervised (extproc.supervision): any other
+        exception is counted under task `degraded_refresh` and the refresh restarts."""
+        await run_every("degraded_refresh", self._refresh_once, interval_seconds)
+
+    async def _refresh_once(self) -> None:
+        try:
+            await self.refresh()
+        except RedisError as exc:
+            log.warning("degraded flags not refreshed: %s", exc)
 
     def _key(self, provider: str, model: str, source: str) -> str:
         if source not in SOURCES:

@@ -36,6 +36,7 @@ from extproc.config import Config, HealthCheck, LoadGauge, Provider, ProviderKin
 from extproc.degraded import HEALTH, LOAD, PASSIVE, DegradedFlags
 from extproc.redis_client import LuaScript
 from extproc.state import Keyspace, script_source
+from extproc.supervision import run_every
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,15 @@ UPSTREAM_FAILURES = Counter(
 DEGRADATIONS = Counter(
     "iris_automatic_degradations_total", "Times this instance marked a pair degraded, by source", ["provider", "source"]
 )
+FAILURES_DROPPED = Counter(
+    "iris_upstream_failures_dropped_total",
+    "Upstream failures not recorded because the passive check's queue was full",
+)
+
+# Passive failure recording: one queue of this many failures, drained by this many writers, so a
+# burst of 5xx costs a bounded amount of memory and of Redis connections beside the hot path.
+PASSIVE_QUEUE_SIZE = 1024
+PASSIVE_WRITERS = 2
 
 
 class Streak:
@@ -123,9 +133,15 @@ class HealthMonitor:
         self._managed = {p.name for p in config.providers if p.kind is ProviderKind.MANAGED}
         self._tasks: set[asyncio.Task] = set()
         self._http: aiohttp.ClientSession | None = None
+        self._failures: asyncio.Queue[tuple[str, str, str]] = asyncio.Queue(maxsize=PASSIVE_QUEUE_SIZE)
 
     def start(self) -> None:
-        """Start one task per configured health check and load gauge (managed providers only)."""
+        """Start the passive check's writers and one supervised task per configured health
+        check and load gauge (managed providers only), each restarted after any exception
+        (extproc.supervision)."""
+        if self.passive.enabled and self._managed:
+            for i in range(PASSIVE_WRITERS):
+                self._spawn(run_every(f"passive_writer_{i}", self._write_one_failure, 0))
         checks = [p for p in self.config.providers if p.name in self._managed and (p.health_check or p.load)]
         if not checks:
             return
@@ -133,9 +149,14 @@ class HealthMonitor:
         self._http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))
         for provider in checks:
             if provider.health_check is not None:
-                self._spawn(self._run_health_check(provider, provider.health_check))
+                check = _HealthCheckTask(self, provider, provider.health_check)
+                interval = provider.health_check.interval_seconds
+                # Backoff at most one interval: a restarted check renews the flag before its TTL.
+                self._spawn(run_every(f"health:{provider.name}", check.step, interval, max_backoff_seconds=interval))
             if provider.load is not None:
-                self._spawn(self._run_load_gauge(provider, provider.load))
+                gauge = _LoadGaugeTask(self, provider, provider.load)
+                interval = provider.load.interval_seconds
+                self._spawn(run_every(f"load:{provider.name}", gauge.step, interval, max_backoff_seconds=interval))
 
     async def close(self) -> None:
         """Stop the checks and any failure still being recorded (a lost record only delays a
@@ -149,12 +170,20 @@ class HealthMonitor:
 
     def observe(self, provider: Provider, model: str, status: int | None) -> None:
         """Passive check: the response status of a request sent to (provider, model), or None
-        when the stream ended without response headers. A 5xx is recorded in the background
-        (the response is never delayed); anything else is ignored."""
+        when the stream ended without response headers. A 5xx is queued for the writers (the
+        response is never delayed); with the queue full it is dropped and counted in
+        iris_upstream_failures_dropped_total. Anything else is ignored."""
         if status is None or status < 500 or not self.passive.enabled or provider.name not in self._managed:
             return
         UPSTREAM_FAILURES.labels(provider.name, model).inc()
-        self._spawn(self.record_failure(provider.name, model, f"status {status}"))
+        try:
+            self._failures.put_nowait((provider.name, model, f"status {status}"))
+        except asyncio.QueueFull:
+            FAILURES_DROPPED.inc()
+
+    async def _write_one_failure(self) -> None:
+        provider, model, what = await self._failures.get()
+        await self.record_failure(provider, model, what)
 
     async def record_failure(self, provider: str, model: str, what: str) -> bool:
         """Record one failure of the pair in Redis; returns whether it degraded the pair.
@@ -183,42 +212,6 @@ class HealthMonitor:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _run_health_check(self, provider: Provider, check: HealthCheck) -> None:
-        streak = Streak(check.failures_before_degraded, check.successes_before_healthy)
-        pairs = self.flags.pairs(provider.name)
-        # A failing probe may take its whole timeout: the TTL covers the longer of the two.
-        ttl = max(check.interval_seconds, check.timeout_seconds) * self._ttl_intervals
-        url = display_url(check.url)
-        last_failure = ""
-        must_clear = False
-        loop = asyncio.get_running_loop()
-        while True:
-            started = loop.time()
-            ok, detail = await self._probe(check.url, url, check.timeout_seconds)
-            HEALTH_CHECKS.labels(provider.name, "ok" if ok else "failed").inc()
-            was_degraded = streak.degraded
-            if not ok:
-                last_failure = detail
-            try:
-                if streak.record(ok):
-                    if ok:
-                        reason = (f"health: recovering, {streak.successes} of {check.successes_before_healthy} "
-                                  f"successes (last failure: {last_failure})")
-                    else:
-                        reason = f"health: {detail} ({streak.failures} failures in a row)"
-                    await self.flags.set_many(pairs, reason, ttl, HEALTH)
-                    if not was_degraded:
-                        DEGRADATIONS.labels(provider.name, HEALTH).inc()
-                        log.warning("%s degraded: %s", provider.name, reason)
-                elif was_degraded or must_clear:
-                    must_clear = True
-                    await self.flags.clear_many(pairs, HEALTH)
-                    must_clear = False
-                    log.warning("%s healthy again: %s", provider.name, detail)
-            except RedisError as exc:
-                log.warning("health state of %s not written: %s", provider.name, exc)
-            await asyncio.sleep(max(0.0, check.interval_seconds - (loop.time() - started)))
-
     async def _probe(self, url: str, shown: str, timeout_seconds: float) -> tuple[bool, str]:
         try:
             timeout = aiohttp.ClientTimeout(total=timeout_seconds)
@@ -229,43 +222,96 @@ class HealthMonitor:
         except aiohttp.ClientError as exc:
             return False, f"GET {shown}: {type(exc).__name__}"
 
-    async def _run_load_gauge(self, provider: Provider, gauge: LoadGauge) -> None:
-        upstream_names = {model: entry.upstream_model or model for model, entry in provider.models.items()}
-        recover_below = gauge.threshold if gauge.recover_below is None else gauge.recover_below
-        ttl = max(gauge.interval_seconds, gauge.timeout_seconds) * self._ttl_intervals
-        url = display_url(gauge.url)
-        over: dict[str, bool] = {}
-        reachable = True
-        loop = asyncio.get_running_loop()
-        while True:
-            started = loop.time()
+
+class _HealthCheckTask:
+    """One provider's active health check; `step()` is one probe and its effect on the flag.
+    The streak lives here, so a step restarted after an exception keeps it (and the flag)."""
+
+    def __init__(self, monitor: HealthMonitor, provider: Provider, check: HealthCheck):
+        self.monitor = monitor
+        self.provider = provider
+        self.check = check
+        self.streak = Streak(check.failures_before_degraded, check.successes_before_healthy)
+        self.pairs = monitor.flags.pairs(provider.name)
+        # A failing probe may take its whole timeout: the TTL covers the longer of the two.
+        self.ttl = max(check.interval_seconds, check.timeout_seconds) * monitor._ttl_intervals
+        self.url = display_url(check.url)
+        self.last_failure = ""
+        self.must_clear = False
+
+    async def step(self) -> None:
+        check, streak, name = self.check, self.streak, self.provider.name
+        ok, detail = await self.monitor._probe(check.url, self.url, check.timeout_seconds)
+        HEALTH_CHECKS.labels(name, "ok" if ok else "failed").inc()
+        was_degraded = streak.degraded
+        if not ok:
+            self.last_failure = detail
+        try:
+            if streak.record(ok):
+                if ok:
+                    reason = (f"health: recovering, {streak.successes} of {check.successes_before_healthy} "
+                              f"successes (last failure: {self.last_failure})")
+                else:
+                    reason = f"health: {detail} ({streak.failures} failures in a row)"
+                await self.monitor.flags.set_many(self.pairs, reason, self.ttl, HEALTH)
+                if not was_degraded:
+                    DEGRADATIONS.labels(name, HEALTH).inc()
+                    log.warning("%s degraded: %s", name, reason)
+            elif was_degraded or self.must_clear:
+                self.must_clear = True
+                await self.monitor.flags.clear_many(self.pairs, HEALTH)
+                self.must_clear = False
+                log.warning("%s healthy again: %s", name, detail)
+        except RedisError as exc:
+            log.warning("health state of %s not written: %s", name, exc)
+
+
+class _LoadGaugeTask:
+    """One provider's load gauge; `step()` is one reading and its effect on the flags."""
+
+    def __init__(self, monitor: HealthMonitor, provider: Provider, gauge: LoadGauge):
+        self.monitor = monitor
+        self.provider = provider
+        self.gauge = gauge
+        self.upstream_names = {model: entry.upstream_model or model for model, entry in provider.models.items()}
+        self.recover_below = gauge.threshold if gauge.recover_below is None else gauge.recover_below
+        self.ttl = max(gauge.interval_seconds, gauge.timeout_seconds) * monitor._ttl_intervals
+        self.url = display_url(gauge.url)
+        self.over: dict[str, bool] = {}
+        self.reachable = True
+
+    async def step(self) -> None:
+        gauge, name = self.gauge, self.provider.name
+        try:
+            timeout = aiohttp.ClientTimeout(total=gauge.timeout_seconds)
+            async with self.monitor._http.get(gauge.url, timeout=timeout, allow_redirects=False) as response:
+                response.raise_for_status()
+                text = await response.text()
+            values = gauge_values(text, gauge, self.upstream_names)
+            self.reachable = True
+        except (asyncio.TimeoutError, aiohttp.ClientError, ValueError) as exc:
+            # Unknown load: renew nothing, so a held flag expires within its TTL.
+            if self.reachable:
+                log.warning("load of %s not read from %s: %s", name, self.url, type(exc).__name__)
+            self.reachable = False
+            values = {}
+        for model, value in values.items():
             try:
-                timeout = aiohttp.ClientTimeout(total=gauge.timeout_seconds)
-                async with self._http.get(gauge.url, timeout=timeout, allow_redirects=False) as response:
-                    response.raise_for_status()
-                    text = await response.text()
-                values = gauge_values(text, gauge, upstream_names)
-                reachable = True
-            except (asyncio.TimeoutError, aiohttp.ClientError, ValueError) as exc:
-                # Unknown load: renew nothing, so a held flag expires within its TTL.
-                if reachable:
-                    log.warning("load of %s not read from %s: %s", provider.name, url, type(exc).__name__)
-                reachable = False
-                values = {}
-            for model, value in values.items():
-                try:
-                    if over_threshold(value, over.get(model, False), gauge.threshold, recover_below):
-                        reason = f"load: {gauge.metric}={value:g} (degraded above {gauge.threshold:g}"
-                        reason += f", until <= {recover_below:g})" if recover_below != gauge.threshold else ")"
-                        await self.flags.set(provider.name, model, reason, ttl, LOAD)
-                        if not over.get(model):
-                            DEGRADATIONS.labels(provider.name, LOAD).inc()
-                            log.warning("%s %s degraded: %s", provider.name, model, reason)
-                        over[model] = True
-                    elif over.get(model):
-                        await self.flags.clear(provider.name, model, LOAD)
-                        over[model] = False
-                        log.warning("%s %s load back to %g", provider.name, model, value)
-                except RedisError as exc:
-                    log.warning("load state of %s not written: %s", provider.name, exc)
-            await asyncio.sleep(max(0.0, gauge.interval_seconds - (loop.time() - started)))
+                await self._apply(model, value)
+            except RedisError as exc:
+                log.warning("load state of %s not written: %s", name, exc)
+
+    async def _apply(self, model: str, value: float) -> None:
+        gauge, name, over = self.gauge, self.provider.name, self.over
+        if over_threshold(value, over.get(model, False), gauge.threshold, self.recover_below):
+            reason = f"load: {gauge.metric}={value:g} (degraded above {gauge.threshold:g}"
+            reason += f", until <= {self.recover_below:g})" if self.recover_below != gauge.threshold else ")"
+            await self.monitor.flags.set(name, model, reason, self.ttl, LOAD)
+            if not over.get(model):
+                DEGRADATIONS.labels(name, LOAD).inc()
+                log.warning("%s %s degraded: %s", name, model, reason)
+            over[model] = True
+        elif over.get(model):
+            await self.monitor.flags.clear(name, model, LOAD)
+            over[model] = False
+            log.warning("%s %s load back to %g", name, model, value)

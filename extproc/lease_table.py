@@ -43,6 +43,7 @@ from extproc.config import Config
 from extproc.outage import OutagePolicy, RedisBreaker
 from extproc.routing import Decision, Ids, Reason, Rejection, Router, RoutingRequest
 from extproc.state import Lease, Result, RoutingState, is_pool_exhausted, new_id
+from extproc.supervision import run_every
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +119,8 @@ class LeaseTable:
     def start(self) -> None:
         """Start the abandonment worker (needs a running event loop)."""
         self._abandoned = asyncio.Queue()
-        self._worker = asyncio.get_running_loop().create_task(self._abandon_forever())
+        # Supervised (extproc.supervision): an unexpected exception restarts the worker.
+        self._worker = asyncio.get_running_loop().create_task(run_every("lease_abandon", self._abandon_one, 0))
 
     # ---- questions ----------------------------------------------------------------------
 
@@ -244,16 +246,19 @@ class LeaseTable:
             self._abandoning += 1
             self._abandoned.put_nowait(_Abandoned(request.model, request.session_id, ids, state))
 
-    async def _abandon_forever(self) -> None:
-        """One abandonment at a time, each retried until Redis takes it (they are idempotent)."""
-        while True:
-            item = await self._abandoned.get()
+    async def _abandon_one(self) -> None:
+        """The next abandonment, retried until Redis takes it (they are idempotent). One that
+        raises anything else is dropped (its records expire by themselves) and the worker goes
+        on with the next (extproc.supervision counts and logs it)."""
+        item = await self._abandoned.get()
+        try:
             while True:
                 try:
                     await item.state.abandon_request(item.model, item.session_id, item.ids.lease_id, item.ids.pin_id)
-                    break
+                    return
                 except RedisError:
                     await asyncio.sleep(self.retry_seconds)
+        finally:
             self._abandoning -= 1
 
     # ---- renewing -----------------------------------------------------------------------

@@ -44,6 +44,7 @@ from extproc.redis_client import open_redis
 from extproc.reload import ConfigReloader, LiveConfig, build_live
 from extproc.routing import Decision, Rejection, RejectionKind, RoutingRequest
 from extproc.sessions import HeaderSignals, SessionKeys, previous_response_id
+from extproc.supervision import run_every
 
 log = logging.getLogger(__name__)
 
@@ -412,42 +413,40 @@ class Gateway:
             await self.degraded.refresh()
         except RedisError as exc:
             log.warning("redis not reachable at start-up, continuing: %s", exc)
+        # Supervised (extproc.supervision): a step that raises is restarted, counted and logged.
+        redis = self.config.redis
         self._background += [
             asyncio.create_task(self.degraded.run_refresher(self.config.server.degraded_refresh_seconds)),
-            asyncio.create_task(self._heartbeat_forever()),
-            asyncio.create_task(self._probe_forever()),
+            asyncio.create_task(run_every("heartbeat", self._heartbeat_once, redis.instance_heartbeat_seconds)),
+            asyncio.create_task(run_every("redis_probe", self._probe_once, redis.probe_interval_seconds)),
         ]
         self.health.start()
         await self.server.start()
         log.info("ext_proc server listening on %s", self.config.server.listen)
 
-    async def _heartbeat_forever(self) -> None:
+    async def _heartbeat_once(self) -> None:
         """Keep this instance registered, so every instance knows the live count, and watch the
         routing state's epoch (a change adopts every lease held: extproc.lease_table)."""
-        while True:
-            try:
-                await self.registry.heartbeat()
-                if not self.breaker.is_open:
-                    await self.leases.refresh_epoch()
-                self.breaker.record_success()
-            except RedisError as exc:
-                metrics.REDIS_ERRORS.labels("heartbeat").inc()
-                self.breaker.record_failure(exc)
-            await asyncio.sleep(self.config.redis.instance_heartbeat_seconds)
+        try:
+            await self.registry.heartbeat()
+            if not self.breaker.is_open:
+                await self.leases.refresh_epoch()
+            self.breaker.record_success()
+        except RedisError as exc:
+            metrics.REDIS_ERRORS.labels("heartbeat").inc()
+            self.breaker.record_failure(exc)
 
-    async def _probe_forever(self) -> None:
+    async def _probe_once(self) -> None:
         """While the breaker is open, probe Redis; when it answers, the lease table adopts what
         is held and shared routing resumes (scripts reload by themselves on NOSCRIPT)."""
-        while True:
-            await asyncio.sleep(self.config.redis.probe_interval_seconds)
-            if not self.breaker.is_open or not await self.breaker.probe():
-                continue
-            try:
-                await self.degraded.refresh()
-                adopted = await self.leases.recover()
-            except RedisError:
-                continue
-            log.info("shared routing resumed; %d local leases adopted into Redis", adopted)
+        if not self.breaker.is_open or not await self.breaker.probe():
+            return
+        try:
+            await self.degraded.refresh()
+            adopted = await self.leases.recover()
+        except RedisError:
+            return
+        log.info("shared routing resumed; %d local leases adopted into Redis", adopted)
 
     def replace_health_monitor(self, config: Config) -> None:
         """Start a HealthMonitor for `config` and stop the running one (extproc.reload)."""

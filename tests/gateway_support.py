@@ -48,9 +48,12 @@ def gateway_config(**overrides) -> dict:
     return config
 
 
-def start_gateway(tmp_path, instances: int = 1, **overrides) -> LocalGateway:
+def start_gateway(tmp_path, instances: int = 1, envoy_source: Path | None = None, **overrides) -> LocalGateway:
+    """A gateway with gateway_config(**overrides); `envoy_source`: another envoy.yaml to run."""
     sims = {name: ProviderSimulation(ttft_ms=5, per_token_ms=20, block_tokens=8) for name in ("iris-1", "iris-2", "tensorx")}
-    gateway = LocalGateway(config_data=gateway_config(**overrides), instances=instances, simulations=sims, work_dir=tmp_path)
+    extra = {} if envoy_source is None else {"envoy_source": envoy_source}
+    gateway = LocalGateway(config_data=gateway_config(**overrides), instances=instances, simulations=sims,
+                           work_dir=tmp_path, **extra)
     gateway.__enter__()
     return gateway
 
