@@ -175,7 +175,7 @@ class Router:
                 return self.execute_on_pinned_provider(admission, Reason.NEW_PIN)
             capped = capped or self._refused_by_pin_cap(provider, request.model, admission)
         if capped:
-            return await self.execute_request_without_pinning(request)
+            return await self.execute_request_without_pinning(request, ids)
         return self.reject_request_as_unsupported_or_unavailable(request)
 
     async def execute_pinned_request(
@@ -228,7 +228,7 @@ class Router:
         if capped:
             pinned = self._by_name.get(current_pin.provider)
             excluded = pinned if pinned is not None and request.model in pinned.models else None
-            return await self.execute_temporary_fallback(request, excluded_provider=excluded)
+            return await self.execute_temporary_fallback(request, ids, excluded_provider=excluded)
         return self.reject_request_as_unsupported_or_unavailable(request)
 
     async def execute_temporary_fallback(

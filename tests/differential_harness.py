@@ -51,12 +51,11 @@ ALL_RESULT_NAMES = frozenset(
 
 # Every routing outcome (a decision's reason, a rejection's kind) the differential tests have seen.
 OUTCOMES: collections.Counter = collections.Counter()
-ALL_OUTCOMES = frozenset({R.PINNED, R.NEW_PIN, R.REPINNED, R.OFFLOADED, R.UNPINNED,
-                          R.UNSUPPORTED, R.UNAVAILABLE, R.CAPACITY})
-# A request with a session routed without a pin because the cap on pairs without a pin limit
-# refused it (issue 15; no other path leaves a session unpinned). Counted, not required: the
-# random runs reach it rarely; tests/test_routing.py drives it on purpose against the model.
+# "capped_session": a request with a session routed without a pin because the cap on pairs
+# without a pin limit refused it (issue 15; no other path leaves a session unpinned).
 CAPPED_SESSION = "capped_session"
+ALL_OUTCOMES = frozenset({R.PINNED, R.NEW_PIN, R.REPINNED, R.OFFLOADED, R.UNPINNED,
+                          R.UNSUPPORTED, R.UNAVAILABLE, R.CAPACITY, CAPPED_SESSION})
 
 
 class Mismatch(AssertionError):
