@@ -137,7 +137,7 @@ class FleetStateReader:
                     in_flight_limit=limits.max_global_in_flight_request_slots if limits else None,
                     reserved_for_pinned=limits.global_in_flight_request_slots_reserved_for_pinned_sessions if limits else 0,
                     pins=int(counts[2 * i]),
-                    pin_limit=limits.max_pinned_sessions if limits else None,
+                    pin_limit=self.config.pin_limit(provider, model)[0],  # the cap where none is configured
                     flags=flags.get(provider.name, []),
                 )
         pairs = [by_pair[(p.name, m)] for p in config.providers_in_priority_order() for m in p.models]
