@@ -47,16 +47,6 @@ DECISIONS_ABANDONED = Counter(
 SESSION_SIGNALS = Counter("iris_session_signals_total", "Requests by the signal that chose their session", ["signal"])
 CHAINS_RECORDED = Counter("iris_response_chains_recorded_total", "Responses API response ids recorded in Redis")
 LOCAL_LEASES = Gauge("iris_local_leases", "Request leases held in this process only (granted during a Redis outage, not yet adopted)")
-PIN_CAP_REACHED = Counter(
-    "iris_pin_cap_reached_total",
-    "New pins refused by max_pinned_sessions_unlimited (the request was served without a pin), by provider and model",
-    ["provider", "model"],
-)
-PIN_CAP_REACHED = Counter(
-    "iris_pin_cap_reached_total",
-    "New pins refused by max_pinned_sessions_unlimited (the request was served without a pin), by provider and model",
-    ["provider", "model"],
-)
 LEASES_LOST = Counter("iris_leases_lost_total", "Request leases reported lost (the request was cancelled)")
 LEASE_RENEWALS = Counter(
     "iris_lease_renewals_total",

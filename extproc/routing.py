@@ -13,11 +13,18 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from extproc import metrics
+from prometheus_client import Counter
+
 from extproc.config import Config, Provider, ProviderKind
 from extproc.degraded import DegradedFlags
 from extproc.previous_provider import PreviousProviders
 from extproc.state import Admission, Lease, Pin, PinMatch, Result, RoutingState, new_id
+
+PIN_CAP_REACHED = Counter(
+    "iris_pin_cap_reached_total",
+    "New pins refused by max_pinned_sessions_unlimited (the request was served without a pin), by provider and model",
+    ["provider", "model"],
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -272,7 +279,7 @@ class Router:
         """Whether `admission` refused a new pin because of max_pinned_sessions_unlimited."""
         capped = admission.result is Result.PIN_LIMIT_REACHED and self.config.pin_limit(provider, model)[1]
         if capped:
-            metrics.PIN_CAP_REACHED.labels(provider.name, model).inc()
+            PIN_CAP_REACHED.labels(provider.name, model).inc()
         return capped
 
     def _supports(self, provider: Provider, request: RoutingRequest) -> bool:

@@ -147,7 +147,7 @@ def test_gauges_agree_with_redis_and_the_providers_during_a_load(gw, capsys):
         assert cli.main(["status", "--config", config]) == 0
         lines = {tuple(line.split()[:3]): line for line in capsys.readouterr().out.splitlines()}
         assert lines[("iris-1", "managed", MODEL)].split()[3:6] == ["2/3", "2/2", "healthy"]
-        assert lines[("tensorx", "unlimited", MODEL)].split()[3:5] == ["3/-", "3/-"]
+        assert lines[("tensorx", "unlimited", MODEL)].split()[3:5] == ["3/-", "3/100000"]  # max_pinned_sessions_unlimited
         assert lines[("live", "proxy", "instances:")].endswith(f" {INSTANCES}")
 
     # The clients left: the leases are released, the pins stay.
@@ -187,16 +187,20 @@ def access_log_entry(gw, probe: str) -> dict | None:
 
 def test_the_access_log_carries_the_provider_the_reason_and_the_decision_time(gw):
     probe = uuid.uuid4().hex
-    response = post(gw, f"/v1/chat/completions?probe={probe}", user="logged", json=chat_body("hi"))
+    # The query string never reaches the log (issue 15): the entry is found by its user agent.
+    response = post(gw, f"/v1/chat/completions?secret={probe}", user="logged", json=chat_body("hi"),
+                    headers={"user-agent": f"probe-{probe}"})
     assert response.status_code == 200
     entry = wait_until(lambda: access_log_entry(gw, probe), BOUND)
     assert entry, gw.running[0].envoy.log_tail()
+    assert entry["path"] == "/v1/chat/completions" and entry["user_agent"] == f"probe-{probe}"
     assert (entry["provider"], entry["reason"]) == (response.headers["x-iris-provider"], response.headers["x-iris-route-reason"])
     assert entry["cluster"] == entry["provider"] == "iris-1" and entry["reason"] == "new_pin"
     assert isinstance(entry["decision_ms"], (int, float)) and entry["decision_ms"] >= 0
 
     rejected = uuid.uuid4().hex
-    response = post(gw, f"/v1/chat/completions?probe={rejected}", user="logged", json={**chat_body("hi"), "model": "no-such-model"})
+    response = post(gw, "/v1/chat/completions", user="logged", json={**chat_body("hi"), "model": "no-such-model"},
+                    headers={"user-agent": f"probe-{rejected}"})
     assert response.status_code == 404
     entry = wait_until(lambda: access_log_entry(gw, rejected), BOUND)
     assert entry and entry["iris_code"] == response.json()["error"]["code"] and entry["provider"] is None
