@@ -71,7 +71,7 @@ class Held:
     unconfirmed: bool = False  # a renewal failed since the last one Redis answered
     ended: bool = False
     adopting: bool = False
-    renewal: asyncio.Task | None = None
+    renewal: asyncio.Task | asyncio.TimerHandle | None = None  # a timer until the first renewal is due
     confirmed_at: float = field(default_factory=time.monotonic)  # monotonic s of the last renewal answered
 
     @property
@@ -188,7 +188,8 @@ class LeaseTable:
         self._held.add(held)
         if decision.lease is not None:
             self._on_pair[(decision.lease.provider, decision.lease.model)] += 1
-            held.renewal = asyncio.get_running_loop().create_task(self._renew_forever(held))
+            # Most requests end before the first renewal is due: the task is only created then.
+            held.renewal = asyncio.get_running_loop().call_later(self._timeout / 3, self._start_renewing, held)
         return held
 
     # ---- ending -------------------------------------------------------------------------
@@ -263,18 +264,20 @@ class LeaseTable:
 
     # ---- renewing -----------------------------------------------------------------------
 
+    def _start_renewing(self, held: Held) -> None:
+        if not held.ended:
+            held.renewal = asyncio.get_running_loop().create_task(self._renew_forever(held))
+
     async def _renew_forever(self, held: Held) -> None:
         interval = self._timeout / 3
         while not held.ended:
+            if not held.local:
+                if self.breaker.is_open:
+                    held.unconfirmed = True
+                elif not await self._renew_once(held):
+                    held.lost.set()
+                    return
             await asyncio.sleep(interval)
-            if held.local or held.ended:
-                continue
-            if self.breaker.is_open:
-                held.unconfirmed = True
-                continue
-            if not await self._renew_once(held):
-                held.lost.set()
-                return
 
     async def _renew_once(self, held: Held) -> bool:
         """One renewal. False only when the lease is lost: Redis saw it expire (see the module
