@@ -119,12 +119,22 @@ class PassiveHealth(_Strict):
     cooldown_seconds: float = Field(default=30.0, gt=0)
 
 
+class ConnectFailure(_Strict):
+    """Immediate degradation: a managed (provider, model) whose connection Envoy saw refused or
+    reset before the response headers is degraded at once (source `connect`) for `ttl_seconds`,
+    unless a 2xx response of the pair or a healthy check of the provider clears it first."""
+
+    enabled: bool = True
+    ttl_seconds: float = Field(default=15.0, gt=0)
+
+
 class DegradationSettings(_Strict):
     """Automatic degradation. A flag written by a health or load check lives
     `flag_ttl_intervals` check intervals unless the next check renews it, so a dead checker never
     pins a provider degraded."""
 
     passive: PassiveHealth = PassiveHealth()
+    connect: ConnectFailure = ConnectFailure()
     flag_ttl_intervals: float = Field(default=3.0, ge=1)
 
 
@@ -299,11 +309,17 @@ class SessionSettings(_Strict):
 
 
 class ServerSettings(_Strict):
-    """The ext_proc gRPC server. Sizes in bytes, durations in seconds."""
+    """The ext_proc gRPC server. Sizes in bytes, durations in seconds.
+
+    Drain on SIGTERM (README: "Draining"): the gRPC health service reports NOT_SERVING at once,
+    the server keeps serving for `drain_delay_seconds` (default 3: envoy/envoy.yaml checks every
+    1 s and needs 2 failures, plus one interval of margin) so that Envoy stops sending new
+    streams, then takes no new stream and lets open ones finish within `drain_grace_seconds`."""
 
     listen: str = "127.0.0.1:50051"
     routing_header: str = "x-iris-cluster"
     max_body_bytes: int = Field(default=16 * 1024 * 1024, gt=0)
+    drain_delay_seconds: float = Field(default=3.0, ge=0)
     drain_grace_seconds: float = Field(default=30.0, ge=0)
     retry_after_seconds: int = Field(default=1, ge=0)
     expose_routing_headers: bool = False

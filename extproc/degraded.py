@@ -7,7 +7,10 @@ never ends an operator's drain):
 - `manual`: `iris-extproc drain` / `undrain`;
 - `health`: the active health check (extproc.health);
 - `passive`: upstream failures in a sliding window (extproc.health);
-- `load`: a Prometheus gauge over its threshold (extproc.health).
+- `load`: a Prometheus gauge over its threshold (extproc.health);
+- `connect`: Envoy saw the provider refuse the connection or reset it before the response
+  headers; short-lived, set at once by the instance that saw it and cleared by the pair's next
+  2xx or a healthy check (extproc.health).
 
 A flag is a Redis string ``{prefix:model}:degraded:<provider>:<source>`` whose value says why (for
 example `manual: drained by ops`) and whose TTL bounds how long it holds without being renewed.
@@ -37,7 +40,8 @@ MANUAL = "manual"
 HEALTH = "health"
 PASSIVE = "passive"
 LOAD = "load"
-SOURCES = (MANUAL, HEALTH, PASSIVE, LOAD)
+CONNECT = "connect"
+SOURCES = (MANUAL, HEALTH, PASSIVE, LOAD, CONNECT)
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,6 +16,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
     HeadersResponse,
     HttpHeaders,
     ImmediateResponse,
+    ProcessingRequest,
     ProcessingResponse,
     TrailersResponse,
 )
@@ -41,6 +42,14 @@ ENVOY_ERROR_CODES = frozenset({
 })
 CLIENT_ERROR_CODES = ROUTER_ERROR_CODES | ENVOY_ERROR_CODES
 
+EXT_PROC_ATTRIBUTES = "envoy.filters.http.ext_proc"
+# Envoy's response flags as the `response.flags` attribute gives them (bit i = CoreResponseFlag i,
+# envoy/stream_info/stream_info.h): UR, UF, UC. UO (overflow) is Envoy's own limit, not the provider.
+UPSTREAM_REMOTE_RESET = 1 << 4
+UPSTREAM_CONNECTION_FAILURE = 1 << 5
+UPSTREAM_CONNECTION_TERMINATION = 1 << 6
+_UNREACHABLE = UPSTREAM_REMOTE_RESET | UPSTREAM_CONNECTION_FAILURE | UPSTREAM_CONNECTION_TERMINATION
+
 
 def header_map(headers: HttpHeaders) -> dict[str, str]:
     """The headers of a ProcessingRequest phase as a dict of lowercase name -> value. Envoy sends
@@ -58,6 +67,23 @@ def header_value(headers: HttpHeaders, name: str) -> str | None:
     for header in headers.headers.headers:
         if header.key == name or header.key.lower() == name:
             return header.raw_value.decode("utf-8", "replace") if header.raw_value else header.value
+    return None
+
+
+def upstream_unreachable(request: ProcessingRequest) -> str | None:
+    """For a response-headers message: Envoy's response code details (for example
+    `upstream_reset_before_response_started{remote_connection_failure|...}`) when the answer is
+    Envoy's own because the provider refused the connection or reset it before the response
+    headers; None for a provider's own answer. Reads the `response.flags` and
+    `response.code_details` attributes that envoy/envoy.yaml asks for (`response_attributes`)."""
+    attributes = request.attributes.get(EXT_PROC_ATTRIBUTES)
+    if attributes is None:
+        return None
+    fields = attributes.fields
+    flags = int(fields["response.flags"].number_value) if "response.flags" in fields else 0
+    details = fields["response.code_details"].string_value if "response.code_details" in fields else ""
+    if flags & _UNREACHABLE and details.startswith("upstream_reset_before_response_started"):
+        return details
     return None
 
 

@@ -15,6 +15,10 @@ refresh interval and one source never clears another's (nor an operator's drain)
   the window holds `degradation.passive.failures`, the pair is degraded for `cooldown_seconds`.
 - Load (`load`): a gauge read from the provider's Prometheus endpoint; over `threshold` the
   pair is degraded until the gauge is back at or below `recover_below`.
+- Connect (`connect`): a request whose connection the provider refused or reset before the
+  response headers degrades its pair at once for `degradation.connect.ttl_seconds`, so the
+  session's next turn repins instead of meeting the same dead provider until the active check
+  notices. The pair's next 2xx response or a healthy check of the provider clears it.
 
 Unlimited providers are never degraded (the spec): they get no checks and no failure counting.
 """
@@ -33,7 +37,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from extproc.config import Config, HealthCheck, LoadGauge, Provider, ProviderKind
-from extproc.degraded import HEALTH, LOAD, PASSIVE, DegradedFlags
+from extproc.degraded import CONNECT, HEALTH, LOAD, PASSIVE, DegradedFlags
 from extproc.redis_client import LuaScript
 from extproc.state import Keyspace, script_source
 from extproc.supervision import run_every
@@ -185,6 +189,36 @@ class HealthMonitor:
         provider, model, what = await self._failures.get()
         await self.record_failure(provider, model, what)
 
+    async def connection_failed(self, provider: Provider, model: str, what: str) -> None:
+        """Connect source: Envoy could not reach (provider, model) (connection refused or reset
+        before the response headers; `what` is Envoy's response code details). Degrades the
+        pair at once, in Redis and in this instance's snapshot, so the next decision here avoids
+        it; every other instance sees it at its next refresh. Awaited by the caller (one Redis
+        round trip on a failed request only); a Redis error is logged, never raised."""
+        connect = self.config.degradation.connect
+        if not connect.enabled or provider.name not in self._managed:
+            return
+        reason = f"connect: {what[:200]}"
+        try:
+            await self.flags.set(provider.name, model, reason, connect.ttl_seconds, CONNECT)
+        except RedisError as exc:
+            log.warning("connect failure of %s %s not recorded: %s", provider.name, model, exc)
+            return
+        DEGRADATIONS.labels(provider.name, CONNECT).inc()
+        log.warning("%s %s degraded for %g s: %s", provider.name, model, connect.ttl_seconds, reason)
+
+    def succeeded(self, provider: Provider, model: str) -> None:
+        """A 2xx response of (provider, model): clears the pair's connect flag if this instance's
+        snapshot holds one (in the background; nothing is sent to Redis otherwise)."""
+        if CONNECT in self.flags.flags(provider.name, model):
+            self._spawn(self._clear_connect([(provider.name, model)]))
+
+    async def _clear_connect(self, pairs: list[tuple[str, str]]) -> None:
+        try:
+            await self.flags.clear_many(pairs, CONNECT)
+        except RedisError as exc:
+            log.warning("connect flag of %s not cleared: %s", pairs, exc)
+
     async def record_failure(self, provider: str, model: str, what: str) -> bool:
         """Record one failure of the pair in Redis; returns whether it degraded the pair.
         A Redis error is logged and answered False (a lost observation only delays detection)."""
@@ -262,6 +296,8 @@ class _HealthCheckTask:
                 await self.monitor.flags.clear_many(self.pairs, HEALTH)
                 self.must_clear = False
                 log.warning("%s healthy again: %s", name, detail)
+            if ok and (connected := [pair for pair in self.pairs if CONNECT in self.monitor.flags.flags(*pair)]):
+                await self.monitor.flags.clear_many(connected, CONNECT)
         except RedisError as exc:
             log.warning("health state of %s not written: %s", name, exc)
 

@@ -26,8 +26,11 @@ import time
 from dataclasses import dataclass
 
 import grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingRequest, ProcessingResponse
+from grpc_health.v1 import health as grpc_health
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from redis.exceptions import RedisError
 
 from extproc import envoy_messages as msg
@@ -49,6 +52,9 @@ from extproc.supervision import run_every
 log = logging.getLogger(__name__)
 
 GRPC_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# The services grpc.health.v1.Health reports on: the whole server ("") and the one Envoy uses.
+EXT_PROC_SERVICE = external_processor_pb2.DESCRIPTOR.services_by_name["ExternalProcessor"].full_name
+HEALTH_SERVICES = ("", EXT_PROC_SERVICE)
 
 
 class SecretMissing(RuntimeError):
@@ -168,7 +174,7 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
         if phase == "request_body":
             return await self._on_request_body(stream, request)
         if phase == "response_headers":
-            return self._on_response_headers(stream, request)
+            return await self._on_response_headers(stream, request)
         if phase == "response_trailers":
             return msg.continue_response_trailers()
         if phase == "response_body":
@@ -273,16 +279,28 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
         body = msg.openai_error_body("the routing service is temporarily unavailable", "service_unavailable", refusal.value)
         return msg.immediate_json(503, body, headers, metadata=metadata)
 
-    def _on_response_headers(self, stream: StreamState, request: ProcessingRequest) -> ProcessingResponse:
+    async def _on_response_headers(self, stream: StreamState, request: ProcessingRequest) -> ProcessingResponse:
+        """Record `:status` (pin refresh, passive check). When Envoy answers itself because the
+        provider refused the connection or reset it before the headers, degrade the pair at once
+        (awaited: this instance's next decision must see it) and tell the client when to retry."""
         try:
             stream.status = int(msg.header_value(request.response_headers, ":status") or "0")
         except ValueError:
             stream.status = 0
-        if self.health is not None and stream.decision is not None:
-            self.health.observe(stream.decision.provider, stream.model, stream.status)
-        extra = None
-        if self.config.server.expose_routing_headers and stream.decision is not None:
-            extra = {"x-iris-provider": stream.decision.provider.name, "x-iris-route-reason": stream.decision.reason.value}
+        extra: dict[str, str] = {}
+        decision = stream.decision
+        if decision is not None:
+            unreachable = msg.upstream_unreachable(request)
+            if unreachable is not None:
+                extra["retry-after"] = str(self.config.server.retry_after_seconds)
+            if self.health is not None:
+                if unreachable is not None:
+                    await self.health.connection_failed(decision.provider, stream.model, unreachable)
+                elif 200 <= stream.status < 300:
+                    self.health.succeeded(decision.provider, stream.model)
+                self.health.observe(decision.provider, stream.model, stream.status)
+            if self.config.server.expose_routing_headers:
+                extra |= {"x-iris-provider": decision.provider.name, "x-iris-route-reason": decision.reason.value}
         read_body = None
         readable = stream.decision is not None and stream.reads_response_id and not self.leases.breaker.is_open
         if readable and 200 <= stream.status < 300:  # a Responses answer: its other headers count too
@@ -291,7 +309,7 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
             if not headers.get("content-encoding"):  # a compressed body is not read: no chain recorded
                 stream.reader = ResponseIdReader(event_stream)
                 read_body = "STREAMED" if event_stream else "BUFFERED"
-        return msg.continue_response_headers(extra, read_body)
+        return msg.continue_response_headers(extra or None, read_body)
 
     async def _on_response_body(self, stream: StreamState, request: ProcessingRequest) -> ProcessingResponse:
         """Only /v1/responses answers come here: record the response id once it is seen."""
@@ -401,6 +419,8 @@ class Gateway:
             ]
         )
         ext_proc_grpc.add_ExternalProcessorServicer_to_server(self.processor, self.server)
+        self.serving = grpc_health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.serving, self.server)
         self.port = self.server.add_insecure_port(config.server.listen)
         self._background: list[asyncio.Task] = []
 
@@ -421,6 +441,8 @@ class Gateway:
             asyncio.create_task(run_every("redis_probe", self._probe_once, redis.probe_interval_seconds)),
         ]
         self.health.start()
+        for service in HEALTH_SERVICES:
+            await self.serving.set(service, health_pb2.HealthCheckResponse.SERVING)
         await self.server.start()
         log.info("ext_proc server listening on %s", self.config.server.listen)
 
@@ -458,10 +480,16 @@ class Gateway:
         task.add_done_callback(self._retired_monitors.discard)
 
     async def drain(self) -> None:
-        """Stop taking new streams, let open ones finish within the grace period, release what
-        is left, close Redis."""
-        log.info("draining: up to %s s for open streams", self.config.server.drain_grace_seconds)
-        await self.server.stop(self.config.server.drain_grace_seconds)
+        """The drain sequence (README: "Draining"): report NOT_SERVING on grpc.health.v1.Health,
+        keep serving for `server.drain_delay_seconds` while Envoy's health check takes this
+        server out of rotation, then take no new stream and let open ones finish within
+        `server.drain_grace_seconds` (both seconds), release what is left, close Redis."""
+        settings = self.config.server
+        await self.serving.enter_graceful_shutdown()
+        log.info("draining: NOT_SERVING, still taking streams for %s s", settings.drain_delay_seconds)
+        await asyncio.sleep(settings.drain_delay_seconds)
+        log.info("draining: no new streams, up to %s s for open ones", settings.drain_grace_seconds)
+        await self.server.stop(settings.drain_grace_seconds)
         await self.leases.drain()
         await self.health.close()
         for task in self._background:

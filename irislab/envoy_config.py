@@ -6,6 +6,7 @@ and the benchmarks only move its listener, admin, ext_proc and provider clusters
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -39,29 +40,35 @@ def cluster_port(bootstrap: dict[str, Any], name: str) -> int:
 def render(
     listener_port: int,
     admin_port: int,
-    cluster_ports: dict[str, int],
+    cluster_ports: dict[str, int | list[int]],
     source: Path = DEFAULT_ENVOY_YAML,
     extra_clusters: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """envoy.yaml with its listener on `listener_port`, admin on `admin_port`, and each cluster
     in `cluster_ports` (extproc and providers) sent to 127.0.0.1:<port> (a DNS cluster to
-    localhost:<port>, IPv4 only, so it still resolves a name). Clusters not named keep
-    their addresses. Raises KeyError when `cluster_ports` names a cluster the file lacks."""
+    localhost:<port>, IPv4 only, so it still resolves a name). A list of ports gives the cluster
+    one endpoint per port (several ext_proc servers behind one Envoy), each a copy of the first
+    endpoint. Clusters not named keep their addresses. Raises KeyError when `cluster_ports`
+    names a cluster the file lacks."""
     bootstrap = load_envoy_yaml(source)
     bootstrap["admin"]["address"]["socket_address"]["port_value"] = admin_port
     bootstrap["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"] = listener_port
     clusters = {c["name"]: c for c in bootstrap["static_resources"]["clusters"]}
-    for name, port in cluster_ports.items():
+    for name, ports in cluster_ports.items():
         cluster = clusters[name]
         # A DNS cluster keeps resolving a name: `localhost`, IPv4 only (local servers bind 127.0.0.1).
         dns = cluster.get("type") in DNS_CLUSTER_TYPES
         if dns:
             cluster["dns_lookup_family"] = "V4_ONLY"
-        for group in cluster["load_assignment"]["endpoints"]:
-            for endpoint in group["lb_endpoints"]:
+        groups = cluster["load_assignment"]["endpoints"]
+        if isinstance(ports, list):
+            first = groups[0]["lb_endpoints"][0]
+            groups[:] = [{**groups[0], "lb_endpoints": [copy.deepcopy(first) for _ in ports]}]
+        for group in groups:
+            for index, endpoint in enumerate(group["lb_endpoints"]):
                 address = endpoint["endpoint"]["address"]["socket_address"]
                 address["address"] = "localhost" if dns else "127.0.0.1"
-                address["port_value"] = port
+                address["port_value"] = ports[index] if isinstance(ports, list) else ports
     bootstrap["static_resources"]["clusters"].extend(extra_clusters or [])
     return bootstrap
 

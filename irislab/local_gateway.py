@@ -72,7 +72,8 @@ def simulator_argv(name: str, port: int, sim: ProviderSimulation) -> list[str]:
 
 @dataclass
 class Instance:
-    """One proxy replica: an Envoy and its ext_proc server."""
+    """One proxy replica: an Envoy and its ext_proc servers (`extprocs`, the endpoints of its
+    `extproc` cluster; `extproc` is the first, `config_path` and `metrics_port` are its own)."""
 
     index: int
     envoy: ManagedProcess
@@ -81,6 +82,7 @@ class Instance:
     admin_port: int
     config_path: Path
     metrics_port: int
+    extprocs: list[ManagedProcess] = field(default_factory=list)
 
     @property
     def url(self) -> str:
@@ -100,10 +102,13 @@ class LocalGateway:
     redis URL, listen address and metrics address are overwritten (each instance gets free ports;
     `Instance.metrics_url` is its Prometheus endpoint). `simulations`: per provider name, else
     `default_simulation`.
-    `env`: extra environment for the ext_proc servers (for example provider API keys)."""
+    `env`: extra environment for the ext_proc servers (for example provider API keys).
+    `extproc_servers`: ext_proc servers behind each Envoy (the endpoints of its `extproc`
+    cluster, health-checked by Envoy), sharing the instance's Redis and providers."""
 
     config_data: dict[str, Any] | None = None
     instances: int = 1
+    extproc_servers: int = 1
     simulations: dict[str, ProviderSimulation] = field(default_factory=dict)
     default_simulation: ProviderSimulation = field(default_factory=ProviderSimulation)
     work_dir: Path | None = None
@@ -187,9 +192,18 @@ class LocalGateway:
     def extproc_env(self) -> dict[str, str]:
         return {**os.environ, "IRIS_SESSION_SECRET": self.secret, **self.env}
 
-    def _start_simulator(self, name: str) -> ManagedProcess:
+    def restart_provider(self, name: str) -> None:
+        """Start simulated provider `name` again on its port (after a `kill()`, as a crashed
+        provider coming back); returns once it accepts connections."""
+        old = self.providers[name]
+        old.stop()
+        process = self._start_simulator(name, port=old.port)
+        self.providers[name] = process
+        wait_for_port(process.port, process=process.popen)
+
+    def _start_simulator(self, name: str, port: int | None = None) -> ManagedProcess:
         sim = self.simulations.get(name, self.default_simulation)
-        port = free_port()
+        port = port or free_port()
         argv = simulator_argv(name, port, sim)
         provider = self.config.provider(name)
         served = sim.served_models
@@ -221,9 +235,9 @@ class LocalGateway:
         env[private] = Path(credentials.api_key_file).read_text().strip()
         return private
 
-    def _checks_on_simulators(self, data: dict[str, Any], index: int) -> list[dict[str, Any]]:
+    def _checks_on_simulators(self, data: dict[str, Any], client: str) -> list[dict[str, Any]]:
         """The providers of `data` with their health-check and load URLs sent to the simulators;
-        a health check says which instance it comes from (`?client=extproc-<index>`)."""
+        a health check says which ext_proc server it comes from (`?client=<client>`)."""
         providers = []
         for entry in data["providers"]:
             entry = dict(entry)
@@ -232,35 +246,48 @@ class LocalGateway:
                 if entry.get(name):
                     url = urlsplit(entry[name]["url"])._replace(netloc=f"127.0.0.1:{port}")
                     if name == "health_check":
-                        url = url._replace(query=f"client=extproc-{index}")
+                        url = url._replace(query=f"client={client}")
                     entry[name] = {**entry[name], "url": urlunsplit(url)}
             providers.append(entry)
         return providers
 
-    def _start_instance(self, index: int, data: dict[str, Any]) -> Instance:
-        grpc_port, listener_port, admin_port, metrics_port = free_port(), free_port(), free_port(), free_port()
+    def _extproc_config(self, name: str, data: dict[str, Any]) -> tuple[Path, int, int]:
+        """The routing config of ext_proc server `name` (its health checks say so:
+        `?client=<name>`) on free gRPC and metrics ports: (its path, grpc port, metrics port)."""
+        grpc_port, metrics_port = free_port(), free_port()
         config = dict(data)
         config["redis"] = {**data.get("redis", {})}
         if self.redis_url is not None:
             config["redis"]["url"] = self.redis_url
         config["server"] = {**data.get("server", {}), "listen": f"127.0.0.1:{grpc_port}", "metrics_listen": f"127.0.0.1:{metrics_port}"}
-        config["providers"] = self._checks_on_simulators(data, index)
-        config_path = self.work_dir / f"routing-{index}.yaml"
+        config["providers"] = self._checks_on_simulators(data, name)
+        config_path = self.work_dir / f"routing-{name.removeprefix('extproc-')}.yaml"
         config_path.write_text(yaml.safe_dump(config, sort_keys=False))
-        cluster_ports = {"extproc": grpc_port}
+        return config_path, grpc_port, metrics_port
+
+    def _start_instance(self, index: int, data: dict[str, Any]) -> Instance:
+        listener_port, admin_port = free_port(), free_port()
+        names = [f"extproc-{index}"] + [f"extproc-{index}-{k}" for k in range(1, self.extproc_servers)]
+        configs = [self._extproc_config(name, data) for name in names]
+        cluster_ports: dict[str, int | list[int]] = {"extproc": [grpc_port for _, grpc_port, _ in configs]}
         for provider in self.config.providers:
             cluster_ports[provider.cluster] = self.providers[provider.name].port
         bootstrap = envoy_config.render(listener_port, admin_port, cluster_ports, source=self.envoy_source)
         envoy_path = envoy_config.write(bootstrap, self.work_dir / f"envoy-{index}.yaml")
-        # `serve --envoy` checks the pair again, addresses included, as a deployment would.
-        extproc = self._track(spawn(
-            f"extproc-{index}",
-            [sys.executable, "-m", "extproc.cli", "serve", "--config", str(config_path), "--envoy", str(envoy_path), *self.extproc_args],
-            self.work_dir,
-            env=self.extproc_env(),
-        ))
-        extproc.port = grpc_port
-        _wait_until_up(extproc)
+        extprocs = []
+        for name, (config_path, grpc_port, metrics_port) in zip(names, configs):
+            # `serve --envoy` checks the pair again, addresses included, as a deployment would.
+            extproc = self._track(spawn(
+                name,
+                [sys.executable, "-m", "extproc.cli", "serve", "--config", str(config_path), "--envoy", str(envoy_path), *self.extproc_args],
+                self.work_dir,
+                env=self.extproc_env(),
+            ))
+            extproc.port = grpc_port
+            extproc.extra["metrics_port"] = metrics_port
+            extprocs.append(extproc)
+        for extproc in extprocs:
+            _wait_until_up(extproc)
         envoy = self._track(spawn(
             f"envoy-{index}",
             [envoy_binary(), "-c", str(envoy_path), "-l", "warning", "--concurrency", str(self.envoy_concurrency), "--disable-hot-restart",
@@ -269,8 +296,8 @@ class LocalGateway:
         ))
         envoy.port = listener_port
         _wait_until_up(envoy)
-        return Instance(index, envoy, extproc, listener_port, admin_port, config_path, metrics_port)
-
+        config_path, _, metrics_port = configs[0]
+        return Instance(index, envoy, extprocs[0], listener_port, admin_port, config_path, metrics_port, extprocs)
 
 def _wait_until_up(process: ManagedProcess) -> None:
     """Wait for `process` to listen on its port. Raises ProcessError naming it, with the last

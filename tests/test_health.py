@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from extproc.config import ConfigError, LoadGauge, parse_config
-from extproc.degraded import HEALTH, LOAD, MANUAL, PASSIVE, DegradedFlags
+from extproc.degraded import CONNECT, HEALTH, LOAD, MANUAL, PASSIVE, DegradedFlags
 from extproc.fleet_state import FleetStateReader
 from extproc.health import HealthMonitor, Streak, display_url, gauge_values, over_threshold
 from extproc.routing import RejectionKind, Router, RoutingRequest
@@ -138,6 +138,37 @@ async def test_passive_ignores_successes_client_errors_and_unlimited_providers(r
     monitor.observe(config.provider("iris-1"), "m", None)
     monitor.observe(config.provider("tensorx"), "m", 503)
     await monitor.close()
+    assert await redis_client.keys("*") == []
+
+
+async def test_connect_failure_degrades_the_pair_at_once_until_its_next_success(redis_client, redis_url):
+    config = parse_config(small_config_data(redis_url, degradation={"connect": {"ttl_seconds": 20}}))
+    flags, other = DegradedFlags(redis_client, config), DegradedFlags(redis_client, config)
+    monitor = HealthMonitor(config, redis_client, flags)
+    await monitor.connection_failed(config.provider("iris-1"), "m", "upstream_reset_before_response_started{connection_failure}")
+    assert flags.flags("iris-1", "m") == {CONNECT: "connect: upstream_reset_before_response_started{connection_failure}"}
+    assert not flags.is_degraded("iris-1", "e") and not flags.is_degraded("iris-2", "m")  # that pair only
+    (flag,) = (await flags.describe())[("iris-1", "m")]
+    assert flag.source == CONNECT and 10 < flag.ttl_seconds <= 20
+    await other.refresh()
+    assert other.flags("iris-1", "m") == flags.flags("iris-1", "m")  # shared
+    monitor.succeeded(config.provider("iris-1"), "e")  # another pair's success clears nothing
+    monitor.succeeded(config.provider("iris-1"), "m")
+    for _ in range(500):  # the clear runs in the background
+        if not flags.is_degraded("iris-1", "m"):
+            break
+        await asyncio.sleep(0.01)
+    await monitor.close()
+    assert not flags.is_degraded("iris-1", "m")
+    assert await redis_client.keys("*degraded*") == []
+
+
+async def test_connect_failure_of_an_unlimited_provider_or_when_disabled_sets_nothing(redis_client, redis_url):
+    for data in (small_config_data(redis_url), small_config_data(redis_url, degradation={"connect": {"enabled": False}})):
+        config = parse_config(data)
+        monitor = HealthMonitor(config, redis_client, DegradedFlags(redis_client, config))
+        await monitor.connection_failed(config.provider("tensorx"), "m", "upstream_reset_before_response_started")
+    await monitor.connection_failed(config.provider("iris-1"), "m", "upstream_reset_before_response_started")
     assert await redis_client.keys("*") == []
 
 
