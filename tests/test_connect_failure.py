@@ -23,6 +23,7 @@ def config() -> dict:
                        "failures_before_degraded": 1_000_000, "successes_before_healthy": 1}
     return {
         "redis": {"key_prefix": "conn"},
+        "session": {"trusted_identity_headers": ["x-user-id"]},  # the tests stand in for an authenticating filter
         "server": {"expose_routing_headers": True, "degraded_refresh_seconds": 0.1, "retry_after_seconds": 2},
         "degradation": {"passive": {"failures": 1000}, "connect": {"ttl_seconds": 300}},
         "providers": [

@@ -27,6 +27,7 @@ def config() -> dict:
               "max_per_session_in_flight_request_slots": 10}
     return {
         "redis": {"key_prefix": "drain"},
+        "session": {"trusted_identity_headers": ["x-user-id"]},  # the tests stand in for an authenticating filter
         "lease_timeout_seconds": 3,  # renewals every second: several run across the drain
         "server": {"drain_delay_seconds": 3, "drain_grace_seconds": 30},
         "providers": [

@@ -25,6 +25,7 @@ def config() -> dict:
     limits = {"max_pinned_sessions": 100_000, "max_global_in_flight_request_slots": 700}
     return {
         "redis": {"key_prefix": "cap", "max_connections": 256},
+        "session": {"trusted_identity_headers": ["x-user-id"]},  # the tests stand in for an authenticating filter
         "providers": [
             {"name": "iris-1", "kind": "managed", "cluster": "iris-1", "models": {MODEL: {"features": ["chat"], "limits": limits}}},
             {"name": "iris-2", "kind": "managed", "cluster": "iris-2", "models": {MODEL: {"features": ["chat"], "limits": limits}}},
