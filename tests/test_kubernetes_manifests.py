@@ -86,7 +86,7 @@ def test_deployment_probes_secrets_and_drain_fit_the_server():
     port = int(config.server.listen.rsplit(":", 1)[1])
     assert container["readinessProbe"]["grpc"] == {"port": port, "service": "envoy.service.ext_proc.v3.ExternalProcessor"}
     assert container["livenessProbe"]["grpc"] == {"port": port, "service": ""}
-    assert pod["terminationGracePeriodSeconds"] > config.server.drain_grace_seconds
+    assert pod["terminationGracePeriodSeconds"] > config.server.drain_delay_seconds + config.server.drain_grace_seconds
     secrets = {doc["metadata"]["name"]: doc for doc in core_resources() if doc["kind"] == "Secret"}
     from_secrets = {key for ref in container["envFrom"] for key in secrets[ref["secretRef"]["name"]]["stringData"]}
     needed = {config.session.secret_env, config.redis.password_env}
@@ -123,7 +123,8 @@ def test_istio_envoy_filter_carries_envoy_yaml_ext_proc_settings():
     assert patch["applyTo"] == "HTTP_FILTER" and patch["patch"]["operation"] == "INSERT_BEFORE"
     assert patch["match"]["listener"]["filterChain"]["filter"]["subFilter"] == {"name": "envoy.filters.http.router"}
     ours, reference = patch["patch"]["value"]["typed_config"], envoy_ext_proc()
-    for field in ("@type", "failure_mode_allow", "message_timeout", "processing_mode", "allow_mode_override", "allowed_override_modes"):
+    for field in ("@type", "failure_mode_allow", "message_timeout", "processing_mode", "allow_mode_override", "allowed_override_modes",
+                  "response_attributes"):
         assert ours[field] == reference[field], field
     service = by_kind("Service")
     port = service["spec"]["ports"][0]["port"]
