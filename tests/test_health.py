@@ -148,7 +148,7 @@ async def test_connect_failure_degrades_the_pair_at_once_until_its_next_success(
     await monitor.connection_failed(config.provider("iris-1"), "m", "upstream_reset_before_response_started{connection_failure}")
     assert flags.flags("iris-1", "m") == {CONNECT: "connect: upstream_reset_before_response_started{connection_failure}"}
     assert not flags.is_degraded("iris-1", "e") and not flags.is_degraded("iris-2", "m")  # that pair only
-    (flag,) = (await flags.describe())[("iris-1", "m")]
+    (flag,) = await pair_flags(redis_client, config, "iris-1", "m")
     assert flag.source == CONNECT and 10 < flag.ttl_seconds <= 20
     await other.refresh()
     assert other.flags("iris-1", "m") == flags.flags("iris-1", "m")  # shared
