@@ -485,8 +485,8 @@ class Gateway:
         server out of rotation, then take no new stream and let open ones finish within
         `server.drain_grace_seconds` (both seconds), release what is left, close Redis."""
         settings = self.config.server
-        await self.serving.enter_graceful_shutdown()
         log.info("draining: NOT_SERVING, still taking streams for %s s", settings.drain_delay_seconds)
+        await self.serving.enter_graceful_shutdown()
         await asyncio.sleep(settings.drain_delay_seconds)
         log.info("draining: no new streams, up to %s s for open ones", settings.drain_grace_seconds)
         await self.server.stop(settings.drain_grace_seconds)
