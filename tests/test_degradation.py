@@ -149,7 +149,7 @@ def test_burst_of_upstream_failures_degrades_through_the_passive_path(gw, capsys
     control(gw, "iris-1", "/control/fail", {"mode": "reset", "count": 1})
     reset = post(gw, "/v1/chat/completions", user="p", json=chat_body("x"))
     assert (reset.status_code, reset.headers["x-iris-provider"]) == (503, "iris-1")  # Envoy: reset before headers
-    assert reset.json()["error"]["code"] == "provider_unavailable" and "retry-after" in reset.headers
+    assert reset.json()["error"]["code"] == "upstream_unavailable" and "retry-after" in reset.headers
     # The reset degraded iris-1 at once (connect); its next healthy check clears that, on both instances.
     for instance in range(INSTANCES):
         assert wait_until(lambda: new_session(gw, instance) == ("iris-1", "new_pin"), BOUND)
