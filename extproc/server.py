@@ -420,6 +420,7 @@ class Gateway:
         )
         ext_proc_grpc.add_ExternalProcessorServicer_to_server(self.processor, self.server)
         self.serving = grpc_health.aio.HealthServicer()
+        self.draining = False
         health_pb2_grpc.add_HealthServicer_to_server(self.serving, self.server)
         self.port = self.server.add_insecure_port(config.server.listen)
         self._background: list[asyncio.Task] = []
@@ -479,15 +480,18 @@ class Gateway:
         self._retired_monitors.add(task)
         task.add_done_callback(self._retired_monitors.discard)
 
-    async def drain(self) -> None:
+    async def drain(self, delay_seconds: float | None = None) -> None:
         """The drain sequence (README: "Draining"): report NOT_SERVING on grpc.health.v1.Health,
-        keep serving for `server.drain_delay_seconds` while Envoy's health check takes this
-        server out of rotation, then take no new stream and let open ones finish within
-        `server.drain_grace_seconds` (both seconds), release what is left, close Redis."""
+        keep serving for `delay_seconds` (default `server.drain_delay_seconds`) while Envoy's
+        health check takes this server out of rotation, then take no new stream and let open ones
+        finish within `server.drain_grace_seconds` (both seconds), release what is left, close
+        Redis."""
+        self.draining = True
         settings = self.config.server
-        log.info("draining: NOT_SERVING, still taking streams for %s s", settings.drain_delay_seconds)
+        delay = settings.drain_delay_seconds if delay_seconds is None else delay_seconds
+        log.info("draining: NOT_SERVING, still taking streams for %s s", delay)
         await self.serving.enter_graceful_shutdown()
-        await asyncio.sleep(settings.drain_delay_seconds)
+        await asyncio.sleep(delay)
         log.info("draining: no new streams, up to %s s for open ones", settings.drain_grace_seconds)
         await self.server.stop(settings.drain_grace_seconds)
         await self.leases.drain()
@@ -509,6 +513,18 @@ async def serve(config: Config, config_path: str | None = None, envoy_path: str 
     Raises SecretMissing, adaptation.CredentialError."""
     gateway = Gateway(config, session_secret(config))
     await gateway.start()
+    try:
+        await _serve_started(gateway, config, config_path, envoy_path)
+    except BaseException:
+        # A failure after start (say, the metrics port taken) must not leave the gRPC server and
+        # background tasks running: the process would never exit.
+        if not gateway.draining:
+            await asyncio.shield(gateway.drain(delay_seconds=0))
+        raise
+
+
+async def _serve_started(gateway: Gateway, config: Config, config_path: str | None, envoy_path: str | None) -> None:
+    """`serve` once the gateway runs: signals, reload, metrics, then the drain on SIGTERM."""
     metrics.CONFIG_LAST_SUCCESS.set(time.time())
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
