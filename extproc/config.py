@@ -224,6 +224,16 @@ class RedisSentinelSettings(_Strict):
     password_env: str | None = Field(default=None, min_length=1)
 
 
+class DurableAdmissions(_Strict):
+    """Admissions acknowledged by `replicas` replicas before they are answered (README "Durable
+    admissions"): after each admitting script the client sends `WAIT <replicas> <timeout_ms>` on
+    the same connection. When the replicas do not acknowledge within `timeout_ms` (milliseconds)
+    the admission still stands and is counted as not replicated (a metric and a log line)."""
+
+    replicas: int = Field(default=1, ge=1)
+    timeout_ms: int = Field(default=50, gt=0)
+
+
 class RedisSettings(_Strict):
     """Where the shared routing state lives, and what happens while it is gone. Timeouts in
     seconds. `outage_policy` (README "When Redis is gone"): `degrade` sends new traffic to pairs
@@ -254,6 +264,7 @@ class RedisSettings(_Strict):
     breaker_failures_in_a_row: int = Field(default=3, ge=1)
     probe_interval_seconds: float = Field(default=0.5, gt=0)
     instance_heartbeat_seconds: float = Field(default=1.0, gt=0)
+    durable_admissions: DurableAdmissions | None = None
 
 
 class IdentitySource(str, enum.Enum):
@@ -468,6 +479,10 @@ def _redis_problems(redis: RedisSettings) -> list[str]:
         for i, node in enumerate(nodes or []):
             if not re.match(REDIS_NODE_PATTERN, node) or not 0 < int(node.rsplit(":", 1)[1]) < 65536:
                 problems.append(f"{at}[{i}]: {node!r} is not host:port")
+    durable = redis.durable_admissions
+    if durable is not None and durable.timeout_ms >= redis.socket_timeout_seconds * 1000:
+        problems.append("redis.durable_admissions.timeout_ms: must be below redis.socket_timeout_seconds "
+                        "(the WAIT would outlast the command timeout)")
     return problems
 
 

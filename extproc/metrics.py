@@ -47,6 +47,10 @@ DECISIONS_ABANDONED = Counter(
 SESSION_SIGNALS = Counter("iris_session_signals_total", "Requests by the signal that chose their session", ["signal"])
 CHAINS_RECORDED = Counter("iris_response_chains_recorded_total", "Responses API response ids recorded in Redis")
 LOCAL_LEASES = Gauge("iris_local_leases", "Request leases held in this process only (granted during a Redis outage, not yet adopted)")
+ADMISSIONS_NOT_REPLICATED = Counter(
+    "iris_admissions_not_replicated_total",
+    "Admissions answered without redis.durable_admissions.replicas replicas acknowledging them within timeout_ms",
+)
 LEASES_LOST = Counter("iris_leases_lost_total", "Request leases reported lost (the request was cancelled)")
 LEASE_RENEWALS = Counter(
     "iris_lease_renewals_total",

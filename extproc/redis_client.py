@@ -113,6 +113,39 @@ class LuaScript:
         except NoScriptError:
             return await redis.eval(self.source, len(keys), *keys, *args)
 
+    async def call_and_wait(
+        self, redis: RedisClient, keys: Sequence[object], args: Sequence[object], replicas: int, timeout_ms: int
+    ) -> tuple[object, int]:
+        """The script, then `WAIT replicas timeout_ms` (milliseconds) on the same connection, in
+        one pipeline: returns (the script's reply, how many replicas acknowledged every write of
+        that connection so far). WAIT returns at once when the script wrote nothing new. In a
+        cluster both commands go to the node owning the first key; when the slot map changed
+        under the call (MOVED: the script ran elsewhere) the count is 0. NOSCRIPT is recovered
+        as in `__call__`. Raises redis.exceptions.RedisError like any command."""
+        reply, acked = await self._pipelined(redis, keys, args, replicas, timeout_ms, ("EVALSHA", self.sha))
+        if isinstance(reply, NoScriptError):
+            reply, acked = await self._pipelined(redis, keys, args, replicas, timeout_ms, ("EVAL", self.source))
+        if isinstance(reply, Exception):
+            raise reply
+        if isinstance(acked, Exception):
+            raise acked
+        return reply, int(acked)
+
+    async def _pipelined(self, redis, keys, args, replicas, timeout_ms, command) -> tuple[object, object]:
+        wait_on = {}
+        node = None
+        if isinstance(redis, RedisCluster):
+            await redis.initialize()  # the slot map (a no-op once known)
+            node = redis.get_node_from_key(keys[0])
+            wait_on = {"target_nodes": node}
+        async with redis.pipeline(transaction=False) as pipe:
+            pipe.execute_command(*command, len(keys), *keys, *args)
+            pipe.execute_command("WAIT", replicas, timeout_ms, **wait_on)
+            reply, acked = await pipe.execute(raise_on_error=False)
+        if node is not None and redis.get_node_from_key(keys[0]) is not node and not isinstance(acked, Exception):
+            acked = 0
+        return reply, acked
+
     async def load(self, redis: RedisClient) -> None:
         """SCRIPT LOAD (in a cluster, on every primary). Optional: calls load on demand."""
         await redis.script_load(self.source)

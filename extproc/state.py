@@ -12,17 +12,23 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import logging
+import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from redis.exceptions import ConnectionError
 
+from extproc import metrics
 from extproc.config import Config, Provider
 from extproc.redis_client import LuaScript, RedisClient, connect  # noqa: F401 (connect: re-exported)
 from extproc.resources import lua_folder
 
 NO_LIMIT = -1
+NOT_REPLICATED_LOG_INTERVAL_SECONDS = 10.0
+
+log = logging.getLogger(__name__)
 
 
 class Result(str, enum.Enum):
@@ -168,6 +174,10 @@ SCRIPT_NAMES = (
 )
 
 
+# The scripts that may record a lease (the ones `redis.durable_admissions` waits on).
+ADMITTING_SCRIPTS = frozenset({"get_pin_and_admit", "admit_unpinned", "admit_pinned", "cas_repin", "admit_without_pin", "adopt"})
+
+
 def script_source(name: str) -> str:
     """The full source of script `name`: lua/lib.lua followed by lua/<name>.lua."""
     folder = lua_folder()
@@ -202,6 +212,9 @@ class RoutingState:
             round(config.lease_timeout_seconds * 1000),
             round(config.redis.housekeeping_grace_seconds * 1000),
         ]
+        self._durable = config.redis.durable_admissions
+        self._not_replicated_logged_at = float("-inf")
+        self._not_replicated_since_log = 0
         self._model_keys: dict[str, list[str]] = {}
         self._model_args: dict[str, list[object]] = {}
         for model in config.models():
@@ -362,7 +375,29 @@ class RoutingState:
         else:
             args = ["" if now_ms is None else now_ms, *self._timing, 0]
         keys += extra_keys
-        return await self._scripts[script](self.redis, keys, args)
+        if self._durable is None or script not in ADMITTING_SCRIPTS:
+            return await self._scripts[script](self.redis, keys, args)
+        reply, acked = await self._scripts[script].call_and_wait(
+            self.redis, keys, args, self._durable.replicas, self._durable.timeout_ms
+        )
+        if acked < self._durable.replicas and _text(reply[0]) == Result.ADMITTED.value:
+            self._count_not_replicated(model, acked)
+        return reply
+
+    def _count_not_replicated(self, model: str, acked: int) -> None:
+        """An admission answered without the replicas' acknowledgement: it stands (README "Durable
+        admissions"), is counted, and logged at most every NOT_REPLICATED_LOG_INTERVAL_SECONDS."""
+        metrics.ADMISSIONS_NOT_REPLICATED.inc()
+        self._not_replicated_since_log += 1
+        now = time.monotonic()
+        if now - self._not_replicated_logged_at >= NOT_REPLICATED_LOG_INTERVAL_SECONDS:
+            log.warning(
+                "%d admission(s) not acknowledged by %d replica(s) within %d ms (latest: model %s, %d acknowledged); "
+                "they stand, but a failover now may forget them",
+                self._not_replicated_since_log, self._durable.replicas, self._durable.timeout_ms, model, acked,
+            )
+            self._not_replicated_logged_at = now
+            self._not_replicated_since_log = 0
 
 
 def _limits_args(config: Config, model: str, providers: list[Provider]) -> list[object]:

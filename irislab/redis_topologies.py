@@ -54,6 +54,20 @@ def _wait(predicate, within_seconds: float, what: str) -> None:
     raise ProcessError(f"{what} not reached within {within_seconds} s")
 
 
+def start_replica(folder: Path, primary_port: int, within_seconds: float = 20.0) -> ManagedProcess:
+    """A replica of the Redis at 127.0.0.1:`primary_port` (no sentinel), in sync before this
+    returns. Raises ProcessError."""
+    folder.mkdir(parents=True, exist_ok=True)
+    replica = start_redis(folder, extra_args=["--replicaof", "127.0.0.1", str(primary_port)])
+    client = redis.Redis(host="127.0.0.1", port=replica.port, socket_timeout=2)
+    try:
+        _wait(lambda: client.info("replication")["master_link_status"] == "up", within_seconds, "replica in sync")
+    except ProcessError:
+        replica.stop()
+        raise
+    return replica
+
+
 @dataclass
 class LocalCluster:
     """A Redis Cluster of `primaries` primaries with `replicas` replicas each, all on loopback.

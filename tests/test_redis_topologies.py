@@ -20,6 +20,7 @@ import redis
 from redis.cluster import ClusterNode
 from redis.cluster import RedisCluster as SyncCluster
 
+from extproc import metrics
 from extproc.config import ConfigError, parse_config
 from extproc.degraded import DegradedFlags
 from extproc.fleet_state import FleetStateReader
@@ -142,6 +143,66 @@ def test_cluster_recovers_noscript_on_the_node_that_answers(cluster):
 def test_sentinel_runs_every_command(sentinel):
     config = many_models_config({"key_prefix": "s", "sentinel": {"sentinels": sentinel.addresses, "service_name": SERVICE_NAME}})
     asyncio.run(exercise_everything(config))
+
+
+def replica_zscore(port: int, key: str, member: str, cluster: bool) -> float | None:
+    """ZSCORE read on a replica itself (a cluster replica answers reads after READONLY)."""
+    client = redis.Redis(host="127.0.0.1", port=port, single_connection_client=True, socket_timeout=5)
+    try:
+        if cluster:
+            client.execute_command("READONLY")
+        return client.zscore(key, member)
+    finally:
+        client.close()
+
+
+def durable_admissions_land_on_replicas(config, replica_ports_for) -> None:
+    """With redis.durable_admissions every admission of every model is on a replica of the
+    primary owning the model's slot when it is answered, and none counts as not replicated."""
+    before = metrics.ADMISSIONS_NOT_REPLICATED._value.get()
+
+    async def run() -> None:
+        client = open_redis(config.redis, timeout_seconds=5)
+        try:
+            state = RoutingState(client, config)
+            await state.load_scripts()  # so that each admission is one EVALSHA and one WAIT (no NOSCRIPT retry)
+            for model in MODELS:
+                pin, admission = await state.get_pin_and_try_admit(model, "durable", ["iris-1"])
+                assert admission.result is Result.ADMITTED
+                key = state.keys.provider_leases(model, "iris-1")
+                cluster = config.redis.cluster is not None
+                held = [replica_zscore(port, key, admission.lease.id, cluster) for port in replica_ports_for(key)]
+                assert held and all(score is not None for score in held), (model, held)
+        finally:
+            await client.aclose()
+
+    asyncio.run(run())
+    assert metrics.ADMISSIONS_NOT_REPLICATED._value.get() == before
+
+
+def test_cluster_durable_admissions_wait_on_the_node_owning_the_key(cluster):
+    config = many_models_config({"key_prefix": "t3", "cluster": {"nodes": cluster.seeds[:1]},
+                                 "durable_admissions": {"replicas": 1, "timeout_ms": 400}})
+    primaries = [node for node in cluster.live_nodes() if cluster.client(node).execute_command("ROLE")[0] == b"master"]
+
+    def waits() -> dict[int, int]:
+        return {node.port: int(cluster.client(node).info("commandstats").get("cmdstat_wait", {"calls": 0})["calls"])
+                for node in primaries}
+
+    before = waits()
+    durable_admissions_land_on_replicas(config, lambda key: [r.port for r in cluster.replicas_of(cluster.primary_for(key))])
+    after = waits()
+    # One WAIT per admission, each on the primary owning the model's slot (it counts that node's writes only).
+    expected = {node.port: 0 for node in primaries}
+    for model in MODELS:
+        expected[cluster.primary_for(f"{{t3:{model}}}").port] += 1
+    assert {port: after[port] - before[port] for port in after} == expected
+
+
+def test_sentinel_durable_admissions(sentinel):
+    config = many_models_config({"key_prefix": "s3", "sentinel": {"sentinels": sentinel.addresses, "service_name": SERVICE_NAME},
+                                 "durable_admissions": {"replicas": 1, "timeout_ms": 400}})
+    durable_admissions_land_on_replicas(config, lambda key: [sentinel.replica.port])
 
 
 def test_standalone_with_a_password(tmp_path, monkeypatch):
