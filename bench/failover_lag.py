@@ -38,11 +38,6 @@ from irislab.redis_topologies import start_replica
 LOAD_SECONDS_MAX = 5.0
 
 
-def offset(port: int, field: str) -> int:
-    """A replication offset (bytes) from INFO replication of the Redis at `port`."""
-    return int(redis_sync.Redis(host="127.0.0.1", port=port, socket_timeout=2).info("replication")[field])
-
-
 class DelayLink:
     """A TCP relay on 127.0.0.1 to `target_port`, in a process of its own (`python -m
     bench.failover_lag --relay PORT DELAY_MS`), that delivers every chunk `delay_ms` (ms) after
@@ -125,19 +120,13 @@ async def one_kill(work: Path, concurrency: int, wait_replicas: int, wait_timeou
                     answered.append(admission.lease.id)
                     latencies_ms.append((time.perf_counter() - asked) * 1000)
 
-        lag = {}
-
         async def killer() -> float:
             await asyncio.sleep(rng.uniform(0.3, 1.0))
-            lag["primary"] = offset(primary.port, "master_repl_offset")
-            lag["replica"] = offset(replica.port, "slave_repl_offset")
-            lag["answered"] = len(answered)
             if link:
                 link.cut()
             primary.kill()
             return time.monotonic()
 
-        lag["start"] = offset(primary.port, "master_repl_offset")
         started = time.monotonic()
         _, killed_at = await asyncio.gather(asyncio.gather(*(worker() for _ in range(concurrency))), killer())
         await client.aclose()
@@ -145,9 +134,8 @@ async def one_kill(work: Path, concurrency: int, wait_replicas: int, wait_timeou
         promoted.execute_command("REPLICAOF", "NO", "ONE")
         held = {member.decode() for member in promoted.zrange(Keyspace("bench").provider_leases(MODEL, "iris-1"), 0, -1)}
         forgotten = [lease for lease in answered if lease not in held]
-        bytes_per_admission = (lag["primary"] - lag["start"]) / max(1, lag["answered"])
         return {"answered": len(answered), "forgotten": len(forgotten), "rate": len(answered) / (killed_at - started),
-                "latencies_ms": latencies_ms, "behind": (lag["primary"] - lag["replica"]) / bytes_per_admission}
+                "latencies_ms": latencies_ms}
     finally:
         if link:
             link.close()
@@ -177,9 +165,7 @@ def main() -> None:
             forgotten = [run["forgotten"] for run in runs]
             rate = sum(run["rate"] for run in runs) / len(runs)
             latency = summarize_ms([ms for run in runs for ms in run["latencies_ms"]])
-            behind = [round(run["behind"]) for run in runs]
             print(f"link delay {delay_ms:g} ms, {mode:>9}: forgotten per kill {forgotten} (max {max(forgotten)}), "
-                  f"replica behind at the kill by ~{behind} admissions, "
                   f"{rate:.0f} admissions/s, admission p50 {latency['p50_ms']:.2f} ms p99 {latency['p99_ms']:.2f} ms, "
                   f"load average {load_average():.2f}")
 

@@ -247,7 +247,8 @@ class RedisSettings(_Strict):
     (`sentinel`). `username` and `password_env` (an environment variable, never the password
     itself) authenticate to the data nodes of any topology; `tls` turns TLS on for cluster and
     sentinel (a standalone URL says it with `rediss://`), verified against `tls_ca_file` or the
-    system's certificates."""
+    system's certificates. `durable_admissions` (off when None): WAIT for replicas after every
+    admission (DurableAdmissions)."""
 
     url: str = Field(default="redis://127.0.0.1:6379/0", pattern=r"^rediss?://")
     cluster: RedisClusterSettings | None = None

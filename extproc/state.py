@@ -20,7 +20,6 @@ from dataclasses import dataclass
 
 from redis.exceptions import ConnectionError
 
-from extproc import metrics
 from extproc.config import Config, Provider
 from extproc.redis_client import LuaScript, RedisClient, connect  # noqa: F401 (connect: re-exported)
 from extproc.resources import lua_folder
@@ -387,6 +386,8 @@ class RoutingState:
     def _count_not_replicated(self, model: str, acked: int) -> None:
         """An admission answered without the replicas' acknowledgement: it stands (README "Durable
         admissions"), is counted, and logged at most every NOT_REPLICATED_LOG_INTERVAL_SECONDS."""
+        from extproc import metrics  # here, not at the top: extproc.metrics imports this module's importers
+
         metrics.ADMISSIONS_NOT_REPLICATED.inc()
         self._not_replicated_since_log += 1
         now = time.monotonic()
