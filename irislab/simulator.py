@@ -280,15 +280,16 @@ class _Batch:
         """Hold a place in the batch for the body of the ``async with``, waiting for one first
         when all are taken (a cancelled wait leaves the queue)."""
         state = self._state
-        if self._slots is not None and self._slots.locked():
+        if self._slots is not None and self._slots.locked():  # every place taken: wait in line
             state.queued_requests += 1
-        if self._slots is not None:
             state.waiting += 1
             state.max_waiting = max(state.max_waiting, state.waiting)
             try:
                 await self._slots.acquire()
             finally:
                 state.waiting -= 1
+        elif self._slots is not None:
+            await self._slots.acquire()  # a place is free: taken at once, without yielding
         state.running += 1
         try:
             yield

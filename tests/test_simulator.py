@@ -510,7 +510,8 @@ async def test_a_waiting_request_runs_when_a_place_frees() -> None:
     async with running(per_token_ms=20, max_num_seqs=1) as (simulator, http):
         async with aiohttp.ClientSession(base_url=simulator.url) as client:
             async with client.post("/v1/chat/completions", json=long_stream) as r:
-                await r.content.readline()  # the first one runs
+                await r.content.readline()  # the first one runs, and did not wait
+                assert (await stats(http))["max_waiting"] == 0
                 second = asyncio.create_task(post(http, "/v1/chat/completions", chat("b", max_tokens=1)))
                 assert (await wait_stats(http, waiting=1))["waiting"] == 1
                 assert not second.done()
