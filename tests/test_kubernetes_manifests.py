@@ -11,12 +11,16 @@ import json
 import re
 from pathlib import Path
 
+import grpc
 import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from extproc.config import load_config
+from irislab.local_gateway import LocalGateway
+from tests.gateway_support import gateway_config
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy" / "kubernetes"
@@ -96,6 +100,31 @@ def test_deployment_probes_secrets_and_drain_fit_the_server():
     assert container["args"][:3] == ["serve", "--config", "/etc/iris/routing.yaml"]
     assert by_kind("PodDisruptionBudget")["spec"]["selector"] == deployment["spec"]["selector"]
 
+
+
+def health_status(port: int, service: str):
+    """grpc.health.v1.Health/Check on 127.0.0.1:`port` over a new channel: the status, or the
+    grpc.StatusCode of the error."""
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        try:
+            return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+        except grpc.RpcError as error:
+            return error.code()
+
+
+def test_probe_service_names_are_the_ones_the_server_serves(tmp_path):
+    """The Deployment's gRPC probes ask a running server (started with the Deployment's
+    `--workers` argument) for services it knows and reports SERVING; a name it does not serve
+    would answer NOT_FOUND and the pod would never be ready."""
+    container = by_kind("Deployment")["spec"]["template"]["spec"]["containers"][0]
+    probes = {kind: container[kind]["grpc"]["service"] for kind in ("livenessProbe", "readinessProbe", "startupProbe")}
+    workers = container["args"][container["args"].index("--workers"):][:2]
+    with LocalGateway(config_data=gateway_config(), work_dir=tmp_path, extproc_args=workers) as gateway:
+        port = gateway.running[0].extproc.port
+        for kind, service in probes.items():
+            for _ in range(4):  # new connections, so more than one worker is likely asked
+                assert health_status(port, service) == health_pb2.HealthCheckResponse.SERVING, (kind, service)
+        assert health_status(port, "envoy.service.ext_proc.v3.ExternalProcesor") == grpc.StatusCode.NOT_FOUND
 
 def test_envoy_extension_policy_matches_the_schema_and_the_decision_bound():
     schema = json.loads((ROOT / "tests" / "schemas" / "envoyextensionpolicy.schema.json").read_text())
