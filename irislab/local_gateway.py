@@ -23,7 +23,7 @@ from extproc import envoy_check
 from extproc.config import Config, Provider, parse_config
 from extproc.resources import example_config
 from irislab import envoy_config
-from irislab.processes import ManagedProcess, ProcessError, envoy_binary, free_port, spawn, start_redis, wait_for_port
+from irislab.processes import ManagedProcess, ProcessError, envoy_binary, free_port, free_ports_in_a_row, spawn, start_redis, wait_for_port
 
 EXAMPLE_CONFIG = example_config()
 
@@ -251,10 +251,15 @@ class LocalGateway:
             providers.append(entry)
         return providers
 
+    def _workers(self) -> int:
+        """The `--workers` count among `extproc_args` (1 without it): each worker needs its own metrics port."""
+        args = self.extproc_args
+        return int(args[args.index("--workers") + 1]) if "--workers" in args else 1
+
     def _extproc_config(self, name: str, data: dict[str, Any]) -> tuple[Path, int, int]:
         """The routing config of ext_proc server `name` (its health checks say so:
         `?client=<name>`) on free gRPC and metrics ports: (its path, grpc port, metrics port)."""
-        grpc_port, metrics_port = free_port(), free_port()
+        grpc_port, metrics_port = free_port(), free_ports_in_a_row(self._workers())
         config = dict(data)
         config["redis"] = {**data.get("redis", {})}
         if self.redis_url is not None:
