@@ -241,6 +241,10 @@ class RedisSettings(_Strict):
     a managed pair (every lease it holds there counts), `fail_closed` answers 503. The breaker
     opens after `breaker_failures_in_a_row` failed Redis calls in a row (a call that found the
     connection pool busy is load, not a failure, and does not count).
+`epoch_grace_seconds`: after Redis lost its state (a new epoch), managed pairs take no new
+    admission until this long after the epoch was written (Redis time), so that every instance
+    has adopted its running leases first; None (default): 2 x max(probe_interval_seconds,
+    instance_heartbeat_seconds) + 1 (3 s with the defaults).
 
     One topology: a standalone Redis at `url` (`redis://` or `rediss://` for TLS, with
     `user:password@` if wanted), a Redis Cluster (`cluster`), or a primary behind Sentinel
@@ -266,6 +270,14 @@ class RedisSettings(_Strict):
     probe_interval_seconds: float = Field(default=0.5, gt=0)
     instance_heartbeat_seconds: float = Field(default=1.0, gt=0)
     durable_admissions: DurableAdmissions | None = None
+    epoch_grace_seconds: float | None = Field(default=None, gt=0)
+
+    @property
+    def epoch_grace(self) -> float:
+        """The grace after a new epoch, seconds (see the class docstring)."""
+        if self.epoch_grace_seconds is not None:
+            return self.epoch_grace_seconds
+        return 2 * max(self.probe_interval_seconds, self.instance_heartbeat_seconds) + 1
 
 
 class IdentitySource(str, enum.Enum):
@@ -484,6 +496,10 @@ def _redis_problems(redis: RedisSettings) -> list[str]:
     if durable is not None and durable.timeout_ms >= redis.socket_timeout_seconds * 1000:
         problems.append("redis.durable_admissions.timeout_ms: must be below redis.socket_timeout_seconds "
                         "(the WAIT would outlast the command timeout)")
+    learn_within = max(redis.probe_interval_seconds, redis.instance_heartbeat_seconds)
+    if redis.epoch_grace_seconds is not None and redis.epoch_grace_seconds <= learn_within:
+        problems.append(f"redis.epoch_grace_seconds: must exceed probe_interval_seconds and instance_heartbeat_seconds "
+                        f"({_plain_number(learn_within)}), the time every instance takes to see a new epoch")
     return problems
 
 

@@ -20,6 +20,15 @@ What a running request is promised (README "When Redis is gone"):
 - only a lease Redis saw expire while its renewals reached Redis (same epoch, no failed renewal
   since the last success) is lost: its request is cancelled.
 
+Every decision reads the epoch before it admits (one read in flight per process, shared by the
+decisions waiting on it), so a Redis that lost its state is seen before anything is admitted on
+it. After a new epoch (written with its creation time, Redis time in ms), managed pairs take no
+new admission until `redis.epoch_grace` seconds after that time, nor while this process adopts
+after an epoch change: every other instance sees the new epoch within a heartbeat or a probe and
+adopts its running leases meanwhile, and only then may admissions count against them. During
+the grace decisions follow the outage policy without local shares (unlimited pairs only;
+`fail_closed`: 503).
+
 During an outage (the breaker open) the outage policy (extproc.outage) chooses a provider and the
 table holds a local lease for a pair with an in-flight limit. `recover` (called when the probe
 reaches Redis) adopts every lease held, closes the breaker so new decisions go to Redis, then
@@ -31,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import math
 import time
 import uuid
 from collections import Counter
@@ -100,6 +110,9 @@ class LeaseTable:
         self.breaker = breaker
         self.epoch: str | None = None  # the routing state's epoch last read
         self._epoch_key = f"{{{config.redis.key_prefix}}}:epoch"
+        self._epoch_read: asyncio.Task | None = None  # the epoch read decisions wait on
+        self._grace_until = 0.0  # monotonic s: managed pairs take no new admission before
+        self._adopting_epoch = 0  # adoptions after an epoch change under way
         self._held: set[Held] = set()
         self._on_pair: Counter[tuple[str, str]] = Counter()
         self._abandoned: asyncio.Queue[_Abandoned] | None = None
@@ -134,6 +147,12 @@ class LeaseTable:
         return sum(1 for held in self._held if held.local)
 
     @property
+    def rebuilding(self) -> bool:
+        """Whether Redis lost its state recently enough that managed pairs take no new admission
+        (the epoch grace, or this process's adoption after an epoch change under way)."""
+        return self._adopting_epoch > 0 or time.monotonic() < self._grace_until
+
+    @property
     def pending_abandonments(self) -> int:
         """Abandonments queued or under way."""
         return self._abandoning
@@ -150,30 +169,37 @@ class LeaseTable:
         router, state = router or self.router, state or self.state
         if self.breaker.is_open:
             return self._decide_locally(request, state)
-        ids = Ids.fresh()
+        ids, sent = Ids.fresh(), False
         try:
             async with asyncio.timeout(self.config.server.decision_timeout_seconds):
+                await self._read_epoch_shared()
+                if self.rebuilding:
+                    return self._decide_locally(request, state, shares=False)
+                sent = True
                 outcome = await router.execute_request(request, ids)
         except (RedisError, TimeoutError) as exc:
-            self._abandon(request, ids, state)
+            if sent:
+                self._abandon(request, ids, state)
             if is_pool_exhausted(exc):
                 return Refusal.OVERLOADED
             metrics.REDIS_ERRORS.labels("decision").inc()
             self.breaker.record_failure(exc)
             return self._decide_locally(request, state)
         except BaseException:
-            self._abandon(request, ids, state)
+            if sent:
+                self._abandon(request, ids, state)
             raise
         self.breaker.record_success()
         if isinstance(outcome, Rejection):
             return outcome
         return self._hold(outcome, local=False, state=state)
 
-    def _decide_locally(self, request: RoutingRequest, state: RoutingState) -> Held | Rejection | Refusal:
+    def _decide_locally(self, request: RoutingRequest, state: RoutingState, shares: bool = True) -> Held | Rejection | Refusal:
+        """The outage policy's decision; `shares=False` (the epoch grace): no local share."""
         if self.config.redis.outage_policy == "fail_closed":
             return Refusal.UNAVAILABLE
         metrics.OUTAGE_DECISIONS.inc()
-        choice = self.outage.choose(request, self.held_on_pair)
+        choice = self.outage.choose(request, self.held_on_pair, shares=shares)
         if isinstance(choice, Rejection):
             return choice
         limits = choice.limits(request.model)
@@ -318,20 +344,57 @@ class LeaseTable:
 
     # ---- the epoch and adoption ---------------------------------------------------------
 
+    async def _read_epoch_shared(self) -> None:
+        """Join the epoch read under way, or start one (refresh_epoch). The read runs on when
+        its waiters are cancelled. Raises RedisError."""
+        task = self._epoch_read
+        if task is None or task.done():
+            task = self._epoch_read = asyncio.get_running_loop().create_task(self.refresh_epoch())
+            task.add_done_callback(lambda done: done.cancelled() or done.exception())
+        await asyncio.shield(task)
+
     async def refresh_epoch(self, adopt_on_change: bool = True) -> str:
         """Read the routing state's epoch, writing a new one when there is none (Redis started
-        empty or lost its state). When it changed (and `adopt_on_change`), every lease held is
-        adopted. Raises RedisError."""
-        async with self.state.redis.pipeline(transaction=True) as pipe:
-            pipe.set(self._epoch_key, uuid.uuid4().hex, nx=True)
-            pipe.get(self._epoch_key)
-            _, raw = await pipe.execute()
-        epoch = raw.decode() if isinstance(raw, bytes) else raw
+        empty or lost its state). When it changed from the one last read (or this process knew
+        none but saw Redis fail), the epoch grace begins (module docstring); when it changed
+        (and `adopt_on_change`), every lease held is adopted. Raises RedisError."""
+        epoch, age = await self._read_epoch()
         previous, self.epoch = self.epoch, epoch
-        if adopt_on_change and previous is not None and previous != epoch:
-            log.warning("the routing state lost its state (epoch changed): adopting %d held leases", len(self._held))
-            await self.adopt_held(include_shared=True)
+        if previous == epoch:
+            return epoch
+        if previous is not None or self.breaker.failures_seen:
+            grace = self.config.redis.epoch_grace
+            self._grace_until = max(self._grace_until, time.monotonic() + max(0.0, grace - age))
+            log.warning("the routing state lost its state (new epoch, %.2f s old): managed pairs take no new admission for %.2f s",
+                        age, max(0.0, grace - age))
+        if adopt_on_change and previous is not None:
+            log.warning("adopting %d held leases into the new epoch", len(self._held))
+            self._adopting_epoch += 1
+            try:
+                await self.adopt_held(include_shared=True)
+            finally:
+                self._adopting_epoch -= 1
         return epoch
+
+    async def _read_epoch(self) -> tuple[str, float]:
+        """The epoch (written SET NX as `<random hex>@<Redis time ms>` when there is none) and
+        its age in seconds by Redis time (0 when unknown). One round trip when the epoch is the
+        one last read, three when it is new. Raises RedisError."""
+        redis = self.state.redis
+        raw = await redis.get(self._epoch_key)
+        if raw is not None and _text(raw) == self.epoch:
+            return self.epoch, math.inf
+        seconds, micros = await redis.time()
+        now_ms = seconds * 1000 + micros // 1000
+        if raw is None:
+            async with redis.pipeline(transaction=True) as pipe:
+                pipe.set(self._epoch_key, f"{uuid.uuid4().hex}@{now_ms}", nx=True)
+                pipe.get(self._epoch_key)
+                _, raw = await pipe.execute()
+        epoch = _text(raw)
+        created, _, rest = epoch.rpartition("@")
+        age = max(0.0, (now_ms - int(rest)) / 1000) if created and rest.isdigit() else 0.0
+        return epoch, age
 
     async def adopt_held(self, include_shared: bool) -> int:
         """Adopt every local lease held (and, with `include_shared`, every Redis lease too:
@@ -392,3 +455,7 @@ class LeaseTable:
             task.cancel()
         if self._worker is not None:
             self._worker.cancel()
+
+
+def _text(raw: bytes | str) -> str:
+    return raw.decode() if isinstance(raw, bytes) else raw

@@ -95,12 +95,15 @@ class OutagePolicy:
         unreserved = limits.max_global_in_flight_request_slots - limits.global_in_flight_request_slots_reserved_for_pinned_sessions
         return max(0, unreserved) // live
 
-    def choose(self, request: RoutingRequest, held: Callable[[str, str], int]) -> Provider | Rejection:
+    def choose(self, request: RoutingRequest, held: Callable[[str, str], int], shares: bool = True) -> Provider | Rejection:
         """The first provider in priority order that supports the request, is not degraded (last
         snapshot) and has room: no in-flight limit, or `held(provider, model)` (every lease this
-        instance holds on the pair) under its share."""
+        instance holds on the pair) under its share. `shares=False`: managed pairs take nothing
+        (as under `degrade`, whatever the policy: the epoch grace of extproc.lease_table)."""
         for provider in self.router.eligible(request):
             share = self.share(provider, request.model)
+            if share is not None and not shares:
+                share = 0
             if share is None or held(provider.name, request.model) < share:
                 return provider
         rejection = self.router.reject_request_as_unsupported_or_unavailable(request)
@@ -118,6 +121,7 @@ class RedisBreaker:
         self.redis = redis
         self.failures_in_a_row = failures_in_a_row
         self.failures = 0
+        self.failures_seen = 0  # every failure since start (the lease table's epoch grace asks)
         self.open_since: float | None = None
 
     @property
@@ -129,6 +133,7 @@ class RedisBreaker:
         if is_pool_exhausted(error):
             return
         self.failures += 1
+        self.failures_seen += 1
         if self.failures >= self.failures_in_a_row:
             self.trip(error)
 
@@ -137,6 +142,7 @@ class RedisBreaker:
 
     def trip(self, error: BaseException) -> None:
         """Open now (outage policy in force)."""
+        self.failures_seen += 1
         if self.open_since is None:
             log.warning("routing state unreachable (%s): outage policy in force", type(error).__name__)
             self.open_since = time.monotonic()

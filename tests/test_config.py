@@ -112,3 +112,13 @@ def test_redis_topologies_are_validated_with_field_paths():
     assert problems(small_config_data(redis={"cluster": {"nodes": []}})) == ["redis.cluster.nodes: must not be empty"]
     assert problems(small_config_data(redis={"sentinel": {"sentinels": ["h:1"]}})) == ["redis.sentinel.service_name: is required"]
     assert problems(small_config_data(redis={"url": "http://h:1"})) == ["redis.url: must match ^rediss?://"]
+
+
+def test_the_epoch_grace_outlasts_what_every_instance_takes_to_see_a_new_epoch():
+    assert parse_config(small_config_data()).redis.epoch_grace == 3.0  # 2 x max(0.5, 1.0) + 1
+    assert parse_config(small_config_data(redis={"instance_heartbeat_seconds": 2.0})).redis.epoch_grace == 5.0
+    assert parse_config(small_config_data(redis={"epoch_grace_seconds": 1.5})).redis.epoch_grace == 1.5
+    assert problems(small_config_data(redis={"epoch_grace_seconds": 1.0})) == [
+        "redis.epoch_grace_seconds: must exceed probe_interval_seconds and instance_heartbeat_seconds (1), "
+        "the time every instance takes to see a new epoch"
+    ]

@@ -95,11 +95,12 @@ def test_a_lease_redis_saw_expire_is_still_lost(tmp_path):
         gateway.stop()
 
 
-def test_client_hang_up_during_a_decision_on_a_stopped_redis_leaves_nothing(tmp_path):
+def test_client_hang_up_during_a_decision_on_a_stalled_redis_leaves_nothing(tmp_path):
     gateway = start_gateway(tmp_path, lease_timeout_seconds=30, server={"expose_routing_headers": True})
     try:
         client = redis_client(gateway)
-        gateway.redis.popen.send_signal(signal.SIGSTOP)
+        # Writes paused: each decision's epoch read is answered, its admission script stalls.
+        client.execute_command("CLIENT", "PAUSE", 3000, "WRITE")
         try:
             for i in range(5):
                 with pytest.raises(httpx.TimeoutException):
@@ -107,7 +108,7 @@ def test_client_hang_up_during_a_decision_on_a_stopped_redis_leaves_nothing(tmp_
                                timeout=0.3)
             time.sleep(1.0)  # the decisions time out into the outage path meanwhile
         finally:
-            gateway.redis.popen.send_signal(signal.SIGCONT)
+            client.execute_command("CLIENT", "UNPAUSE")
         # The admissions sent before the hang-ups ran when Redis resumed; their abandonment ends them.
         assert wait_until(lambda: live_leases(client) == 0 and pins(client) == 0, within_seconds=5)
         time.sleep(0.5)
@@ -196,4 +197,54 @@ def test_continuous_traffic_through_a_recovery_leaves_no_local_lease(tmp_path):
         assert wait_for_no_leases(redis_client(gateway), within_seconds=2.0) == 0
     finally:
         gateway.redis.popen.send_signal(signal.SIGCONT)
+        gateway.stop()
+
+
+@pytest.mark.slow
+def test_new_requests_right_after_an_empty_restart_keep_the_limit(tmp_path):
+    """Three instances, every managed slot taken by long streams; Redis restarted empty while new
+    requests keep arriving at every instance. An instance back first must not admit on the empty
+    Redis before the others have adopted their running leases (issue 10: the epoch grace)."""
+    data = gateway_config()
+    limits = {**LIMITS, "max_pinned_sessions": 10, "max_global_in_flight_request_slots": 3,
+              "global_in_flight_request_slots_reserved_for_pinned_sessions": 0}
+    for provider in data["providers"][:2]:
+        provider["models"][MODEL]["limits"] = limits
+    gateway = start_gateway(tmp_path, instances=3, lease_timeout_seconds=LEASE_TIMEOUT, providers=data["providers"])
+    try:
+        time.sleep(1.2)  # one heartbeat each
+        out: dict = {}
+        # 6 long streams (6 s each), 2 per instance: both own providers full (3 + 3).
+        long = [stream_in_thread(gateway.running[i % 3].url, f"long-{i}", 300, out) for i in range(6)]
+        assert wait_until(lambda: live_leases(redis_client(gateway)) == 6, within_seconds=10)
+        stop = threading.Event()
+
+        def keep_asking(index: int) -> None:
+            n = 0
+            while not stop.is_set() and n < 400:
+                n += 1
+                body = chat_body(f"short {index}-{n}", max_tokens=2)
+                try:
+                    httpx.post(f"{gateway.running[index].url}/v1/chat/completions", json=body, timeout=10)
+                except httpx.HTTPError:
+                    pass
+
+        askers = [threading.Thread(target=keep_asking, args=(i,)) for i in range(3) for _ in range(2)]
+        for thread in askers:
+            thread.start()
+        try:
+            gateway.stop_redis()
+            gateway.start_redis_again()  # empty
+            time.sleep(3.0)
+        finally:
+            stop.set()
+            for thread in askers:
+                thread.join(timeout=30)
+        for thread in long:
+            thread.join(timeout=60)
+        assert all(out[f"long-{i}"][:3] == (200, True, None) for i in range(6)), out  # none cancelled
+        for provider, peak in own_peaks(gateway).items():
+            assert peak <= limits["max_global_in_flight_request_slots"], (provider, peak)
+        assert wait_for_no_leases(redis_client(gateway), within_seconds=1.0) == 0
+    finally:
         gateway.stop()

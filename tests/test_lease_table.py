@@ -4,7 +4,8 @@ Redis saw a lease expire, adoption when Redis lost it, abandonment, pool exhaust
 from __future__ import annotations
 
 import asyncio
-import signal
+
+from prometheus_client import REGISTRY
 
 from extproc.config import parse_config
 from extproc.degraded import DegradedFlags
@@ -82,22 +83,27 @@ async def test_a_lease_redis_lost_is_adopted_and_its_request_keeps_running(redis
     assert await live(redis_client, table) == 0
 
 
-async def test_a_decision_timed_out_on_a_stopped_redis_leaves_nothing_once_it_answers(tmp_path):
-    """Issue 10, item 1: the admissions sent to a SIGSTOPped Redis run when it resumes; the
-    abandonment of their ids (queued when the decisions timed out into the outage path) ends
-    them, whichever arrives first (the ids are tombstones)."""
+async def test_a_decision_timed_out_on_a_stalled_redis_leaves_nothing_once_it_answers(tmp_path):
+    """Issue 10, item 1: the admissions sent to a Redis whose writes are paused (CLIENT PAUSE
+    WRITE: the epoch read each decision makes first is answered, the admission script stalls)
+    run when it resumes; the abandonment of their ids (queued when the decisions timed out into
+    the outage path) ends them, whichever arrives first (the ids are tombstones)."""
     process = start_redis(tmp_path)
     url = f"redis://127.0.0.1:{process.port}/0"
     redis = connect(url, timeout_seconds=0.2)
     try:
         table = make_table(redis, url, redis={"url": url, "key_prefix": "t", "socket_timeout_seconds": 0.2})
         await table.refresh_epoch()
-        process.popen.send_signal(signal.SIGSTOP)
+        abandoned_before = REGISTRY.get_sample_value("iris_decisions_abandoned_total") or 0
+        control = connect(url, timeout_seconds=2.0)
+        await control.execute_command("CLIENT", "PAUSE", 1000, "WRITE")
         try:
             outcomes = await asyncio.gather(*(table.decide(chat(f"s{i}")) for i in range(5)))
         finally:
-            process.popen.send_signal(signal.SIGCONT)
+            await control.execute_command("CLIENT", "UNPAUSE")
+            await control.aclose()
         assert all(isinstance(o, Held) and o.decision.provider.name == "tensorx" for o in outcomes)  # the outage path
+        assert REGISTRY.get_sample_value("iris_decisions_abandoned_total") - abandoned_before == 5  # sent, then abandoned
         assert await wait_for(lambda: _is_zero(table.pending_abandonments))
         await asyncio.sleep(0.2)
         assert await live(redis, table, "iris-1") == 0
