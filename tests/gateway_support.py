@@ -62,6 +62,15 @@ def redis_client(gateway: LocalGateway) -> redis.Redis:
     return redis.Redis.from_url(gateway.redis_url)
 
 
+def clear_routing_state(client: redis.Redis) -> None:
+    """Delete every key but the epoch (test-only: uses KEYS): an empty routing state between
+    tests that the running instances do not take for a Redis that lost its state, which would
+    start the epoch grace (README "When Redis is gone")."""
+    doomed = [key for key in client.keys("*") if not key.endswith(b":epoch")]
+    if doomed:
+        client.delete(*doomed)
+
+
 def live_leases(client: redis.Redis) -> int:
     """Live request leases over every provider and model (test-only: uses KEYS)."""
     seconds, micros = client.time()

@@ -19,7 +19,7 @@ from irislab import envoy_config
 from irislab.local_gateway import LocalGateway, ProviderSimulation
 from irislab.processes import envoy_binary
 from tests.conftest import ROOT, small_config_data
-from tests.gateway_support import live_leases, post, redis_client, self_signed_certificate
+from tests.gateway_support import clear_routing_state, live_leases, post, redis_client, self_signed_certificate
 
 EXAMPLE_CLUSTER = ROOT / "envoy" / "third-party-cluster.example.yaml"
 TENSORX_KEY = "tx-key-Zq81vL0p"
@@ -166,7 +166,7 @@ def stats(gw, name: str) -> dict:
 
 @pytest.fixture
 def gw(gateway):
-    redis_client(gateway).flushall()
+    clear_routing_state(redis_client(gateway))
     for name in gateway.providers:
         base = gateway.tensorx_url if name == "tensorx" else gateway.provider_url(name)
         httpx.post(f"{base}/stats/reset", timeout=5, verify=False)

@@ -11,7 +11,7 @@ import pytest
 
 from extproc import cli
 from irislab.local_gateway import LocalGateway, ProviderSimulation
-from tests.gateway_support import MODEL, chat_body, post, provider_stats, redis_client, wait_until
+from tests.gateway_support import MODEL, chat_body, clear_routing_state, post, provider_stats, redis_client, wait_until
 
 INTERVAL = 0.2
 FAILURES_BEFORE_DEGRADED = 2
@@ -82,7 +82,7 @@ def gw(gateway):
     # Each instance needs successes_before_healthy checks to forget a failing streak.
     enough = INSTANCES * (SUCCESSES_BEFORE_HEALTHY + 1)
     assert wait_until(lambda: all(provider_stats(gateway, n)["health_checks"] >= enough for n in ("iris-1", "iris-2")), BOUND)
-    redis_client(gateway).flushall()
+    clear_routing_state(redis_client(gateway))
     for instance in range(INSTANCES):
         assert wait_until(lambda: unpinned_provider(gateway, instance) == "iris-1", BOUND)
     for name in gateway.providers:

@@ -12,7 +12,7 @@ import pytest
 import redis
 
 from tests.fleet import LoadPlan, pinned_providers_per_session, run_load
-from tests.gateway_support import LIMITS, MODEL, gateway_config, provider_stats, start_gateway, wait_for_no_leases
+from tests.gateway_support import LIMITS, MODEL, clear_routing_state, gateway_config, provider_stats, start_gateway, wait_for_no_leases
 
 ENVOY_MESSAGE_TIMEOUT_SECONDS = 5.0  # envoy/envoy.yaml: no request may wait on routing longer
 
@@ -53,7 +53,7 @@ def fleet(tmp_path_factory):
 
 
 def test_load_over_three_instances_holds_every_limit(fleet):
-    redis.Redis.from_url(fleet.redis_url).flushall()
+    clear_routing_state(redis.Redis.from_url(fleet.redis_url))
     plan = LoadPlan(requests=2000, sessions=200, concurrency=24, stream_share=0.5, abort_share=0.1)
     result = asyncio.run(run_load([i.url for i in fleet.running], plan))
     records = result.records

@@ -11,6 +11,7 @@ from tests.gateway_support import (
     LIMITS,
     MODEL,
     chat_body,
+    clear_routing_state,
     live_leases,
     post,
     provider_stats,
@@ -33,7 +34,7 @@ def gateway(tmp_path_factory):
 @pytest.fixture
 def gw(gateway):
     """The shared gateway with empty routing state and reset provider counters."""
-    redis_client(gateway).flushall()
+    clear_routing_state(redis_client(gateway))
     for name in gateway.providers:
         httpx.post(f"{gateway.provider_url(name)}/control/clear", timeout=5)
     yield gateway

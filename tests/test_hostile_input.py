@@ -15,7 +15,18 @@ from hypothesis import strategies as st
 
 from extproc.envoy_messages import CLIENT_ERROR_CODES
 from extproc.openai_request import ParsedRequest, session_id
-from tests.gateway_support import LIMITS, MODEL, chat_body, gateway_config, live_leases, post, redis_client, start_gateway, wait_until
+from tests.gateway_support import (
+    LIMITS,
+    MODEL,
+    chat_body,
+    clear_routing_state,
+    gateway_config,
+    live_leases,
+    post,
+    redis_client,
+    start_gateway,
+    wait_until,
+)
 
 PATHS = ["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses"]
 CLIENT_SECRET = "sk-client-credential-0123456789"
@@ -163,7 +174,7 @@ def test_secrets_are_never_echoed_or_logged(gateway):
 
 
 def test_routing_header_from_a_client_is_stripped_everywhere(gateway):
-    redis_client(gateway).flushall()
+    clear_routing_state(redis_client(gateway))
     response = post(gateway, "/v1/chat/completions", json=chat_body("spoof"), headers={"x-iris-cluster": "tensorx", "x-user-id": "spoofer"})
     assert response.headers["x-simulator-name"] == response.headers["x-iris-provider"] == "iris-1"
 
@@ -189,7 +200,7 @@ def test_an_unreachable_provider_gets_a_closed_code_and_the_details_stay_in_the_
     """Last in this module: it stops the iris-1 simulator. Envoy's own 503 carries
     upstream_unavailable; its details (upstream_reset_before_response_started{...}) are only in
     the access log."""
-    redis_client(gateway).flushall()
+    clear_routing_state(redis_client(gateway))
     gateway.providers["iris-1"].stop()
     response = post(gateway, "/v1/chat/completions", json=chat_body("nobody home"), user="stranded")
     assert response.status_code == 503, response.text

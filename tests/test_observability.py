@@ -19,7 +19,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from extproc import cli
-from tests.gateway_support import LIMITS, MODEL, chat_body, post, provider_stats, redis_client, start_gateway, wait_until
+from tests.gateway_support import LIMITS, MODEL, chat_body, clear_routing_state, post, provider_stats, redis_client, start_gateway, wait_until
 from tests.prometheus_support import Prometheus, prometheus_binary
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,7 +40,7 @@ def gateway(tmp_path_factory):
 def gw(gateway):
     """The shared gateway with empty routing state (the instances heartbeat back in) and reset
     provider counters."""
-    redis_client(gateway).flushall()
+    clear_routing_state(redis_client(gateway))
     for name in gateway.providers:
         httpx.post(f"{gateway.provider_url(name)}/stats/reset", timeout=5)
     assert wait_until(lambda: fleet_gauges(gateway, 0).get(("iris_live_instances", ())) == INSTANCES, BOUND)
