@@ -48,7 +48,8 @@ async def test_counts_live_leases_and_pins_as_the_scripts_do(state, redis_client
     assert (two.in_flight, two.pins, two.state) == (1, 0, "degraded")
     assert [(f.source, f.reason) for f in two.flags] == [(HEALTH, "health: down")] and 0 < two.flags[0].ttl_seconds <= 30
     assert (one.in_flight_limit, one.reserved_for_pinned, one.pin_limit) == (4, 1, 2)
-    assert (third.kind, third.in_flight_limit, third.pin_limit, third.flags) == ("unlimited", None, None, [])
+    # A pair without a pin limit is capped at max_pinned_sessions_unlimited (bounded routing state).
+    assert (third.kind, third.in_flight_limit, third.pin_limit, third.flags) == ("unlimited", None, small_config.max_pinned_sessions_unlimited, [])
     assert fleet.live_instances == 1 and fleet.now_ms >= now
     assert [(p.provider, p.model) for p in fleet.pairs] == [("iris-1", "m"), ("iris-1", "e"), ("iris-2", "m"), ("tensorx", "m"), ("tensorx", "e")]
 
