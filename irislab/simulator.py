@@ -591,8 +591,10 @@ def _conversation_id(body: dict[str, Any]) -> str | None:
 
 class _ResponsesApi:
     """``POST /v1/responses``: a minimal Responses-API answer, with its own usage shape and
-    (when streamed) ``response.created`` / ``response.output_text.delta`` / ``response.completed``
-    events."""
+    (when streamed) OpenAI's event sequence: ``response.created``, ``response.in_progress``,
+    ``response.output_item.added``, ``response.content_part.added``, one
+    ``response.output_text.delta`` per token, ``response.output_text.done``,
+    ``response.content_part.done``, ``response.output_item.done``, ``response.completed``."""
 
     id_prefix = "resp_"
     max_token_fields = ("max_output_tokens",)
@@ -603,32 +605,48 @@ class _ResponsesApi:
 
     def answer(self, gen: _Generation) -> dict[str, Any]:
         content = {"type": "output_text", "text": gen.text(), "annotations": []}
-        message = {
-            "type": "message",
-            "id": self._message_id(gen),
-            "status": "completed",
-            "role": "assistant",
-            "content": [content],
-        }
-        return self._response(gen, "completed", [message], self._usage(gen))
+        return self._response(gen, "completed", [self._message(gen, "completed", [content])], self._usage(gen))
+
+    def _message(self, gen: _Generation, status: str, content: list[Any]) -> dict[str, Any]:
+        return {"type": "message", "id": self._message_id(gen), "status": status, "role": "assistant", "content": content}
+
+    # The event sequence of OpenAI's streamed Responses (the openai SDK's `responses.stream`
+    # needs every item and content part announced before its deltas): 4 events before the
+    # deltas, one per token, 4 after them; `sequence_number` counts them from 0.
+    _events_before_deltas = 4
 
     def stream_start(self, gen: _Generation) -> bytes:
-        response = self._response(gen, "in_progress", [], None)
-        return _sse({"type": "response.created", "response": response}, "response.created")
+        in_progress = self._response(gen, "in_progress", [], None)
+        item = self._message(gen, "in_progress", [])
+        part = {"type": "output_text", "text": "", "annotations": []}
+        return b"".join((
+            self._event("response.created", 0, response=in_progress),
+            self._event("response.in_progress", 1, response=in_progress),
+            self._event("response.output_item.added", 2, output_index=0, item=item),
+            self._event("response.content_part.added", 3, item_id=item["id"], output_index=0, content_index=0, part=part),
+        ))
 
     def stream_token(self, gen: _Generation, i: int) -> bytes:
-        delta = {
-            "type": "response.output_text.delta",
-            "item_id": self._message_id(gen),
-            "output_index": 0,
-            "content_index": 0,
-            "delta": gen.delta(i),
-        }
-        return _sse(delta, "response.output_text.delta")
+        return self._event(
+            "response.output_text.delta", self._events_before_deltas + i,
+            item_id=self._message_id(gen), output_index=0, content_index=0, delta=gen.delta(i), logprobs=[],
+        )
 
     def stream_end(self, gen: _Generation) -> bytes:
-        completed = {"type": "response.completed", "response": self.answer(gen)}
-        return _sse(completed, "response.completed")
+        seq = self._events_before_deltas + gen.completion_tokens
+        completed = self.answer(gen)
+        item = completed["output"][0]
+        part = item["content"][0]
+        return b"".join((
+            self._event("response.output_text.done", seq, item_id=item["id"], output_index=0, content_index=0, text=part["text"], logprobs=[]),
+            self._event("response.content_part.done", seq + 1, item_id=item["id"], output_index=0, content_index=0, part=part),
+            self._event("response.output_item.done", seq + 2, output_index=0, item=item),
+            self._event("response.completed", seq + 3, response=completed),
+        ))
+
+    @staticmethod
+    def _event(event_type: str, sequence_number: int, **fields: Any) -> bytes:
+        return _sse({"type": event_type, "sequence_number": sequence_number, **fields}, event_type)
 
     @staticmethod
     def _message_id(gen: _Generation) -> str:

@@ -211,11 +211,39 @@ async def test_responses_api_plain_and_streamed() -> None:
     types = [event["type"] for event in events]
     assert types == [
         "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
         "response.output_text.delta",
         "response.output_text.delta",
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
         "response.completed",
     ]
+    assert [event["sequence_number"] for event in events] == list(range(len(events)))
+    assert {event["item_id"] for event in events if "item_id" in event} == {events[2]["item"]["id"]}
+    assert events[6]["text"] == "tok0 tok1"
     assert events[-1]["response"]["usage"]["output_tokens"] == 2
+
+
+@pytest.mark.asyncio
+async def test_openai_sdk_responses_stream_reads_the_streamed_events() -> None:
+    """The openai SDK's `responses.stream` accumulates the events into the final response; it
+    raises when an item or content part is not announced before its deltas."""
+    import openai
+
+    async with running() as (simulator, _):
+        client = openai.AsyncOpenAI(base_url=f"{simulator.url}/v1", api_key="unused", max_retries=0)
+        try:
+            async with client.responses.stream(model=MODEL, input="a b c", max_output_tokens=3) as stream:
+                deltas = [event.delta async for event in stream if event.type == "response.output_text.delta"]
+                final = await stream.get_final_response()
+        finally:
+            await client.close()
+    assert "".join(deltas) == "tok0 tok1 tok2"
+    assert final.output_text == "tok0 tok1 tok2"
+    assert final.status == "completed" and final.usage.output_tokens == 3
 
 
 @pytest.mark.asyncio
