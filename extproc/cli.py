@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from extproc import envoy_check
-from extproc.config import Config, ConfigError, load_config
+from extproc.config import Config, ConfigError, ProviderKind, load_config
 from extproc.degraded import DEFAULT_MANUAL_TTL_SECONDS, MANUAL, DegradedFlags
 from extproc.envoy_check import EnvoyConfigError
 from extproc.redis_client import open_redis
@@ -186,7 +186,8 @@ def _up(args) -> int:
         print(f"iris-extproc: the local gateway did not start, everything it started is stopped: {exc}", file=sys.stderr)
         return 1
     try:
-        print(f"gateway up: {gateway.url}/v1  (Redis {gateway.redis_url}, logs in {gateway.work_dir})", flush=True)
+        print(f"gateway up: {gateway.url}/v1  (Redis {gateway.redis_url}, logs in {gateway.work_dir}, left there on exit)", flush=True)
+        print(f"routing config: {gateway.running[0].config_path} (use it with status, drain, check; edit it to see a hot reload)", flush=True)
         if args.demo:
             from irislab.demo import run_demo
 
@@ -215,7 +216,10 @@ def _pairs(flags: DegradedFlags, config: Config, provider: str, model: str | Non
         raise SystemExit(f"iris-extproc: no provider named {provider!r} in the configuration") from None
     pairs = flags.pairs(provider, model)
     if not pairs:
-        raise SystemExit(f"iris-extproc: {provider} has no managed model {model or ''}: unlimited providers are never degraded")
+        served = config.provider(provider)
+        if served.kind is ProviderKind.MANAGED:
+            raise SystemExit(f"iris-extproc: {provider} serves no model {model!r} (it serves: {', '.join(served.models)})")
+        raise SystemExit(f"iris-extproc: {provider} has no managed model{f' {model}' if model else ''}: unlimited providers are never degraded")
     return pairs
 
 
@@ -277,13 +281,13 @@ def _status(args) -> int:
 
         print(orjson.dumps(fleet.as_dict(), option=orjson.OPT_INDENT_2).decode())
         return 0
-    print(f"{'provider':<16}{'kind':<11}{'model':<28}{'in-flight':<11}{'pins':<9}{'state':<10}why")
+    print(f"{'provider':<16}{'kind':<11}{'model':<28}{'in-flight':<11}{'pins':<16}{'state':<10}why")
     for pair in fleet.pairs:
         why = "; ".join(_flag_text(f) for f in pair.flags)
         if pair.kind == "unlimited":
             why = "unlimited: never degraded"
         in_flight, pins = _of_limit(pair.in_flight, pair.in_flight_limit), _of_limit(pair.pins, pair.pin_limit)
-        print(f"{pair.provider:<16}{pair.kind:<11}{pair.model:<28}{in_flight:<11}{pins:<9}{pair.state:<10}{why}".rstrip())
+        print(f"{pair.provider:<16}{pair.kind:<11}{pair.model:<28}{in_flight:<11}{pins:<16}{pair.state:<10}{why}".rstrip())
     print(f"live proxy instances: {fleet.live_instances}")
     return 0
 

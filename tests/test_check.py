@@ -120,6 +120,16 @@ def test_missing_and_invalid_files_are_one_line_errors(tmp_path, command):
         assert lines[0].startswith("iris-extproc: ")
 
 
+def test_drain_of_a_model_a_provider_does_not_serve_names_what_it_serves():
+    """Answered from the configuration, before any Redis call (the example's Redis is not running)."""
+    managed = cli("drain", "iris-1", "--model", "nosuch", "--config", str(EXAMPLE))
+    assert managed.returncode == 1 and managed.stdout == ""
+    assert managed.stderr.strip() == "iris-extproc: iris-1 serves no model 'nosuch' (it serves: llama-3.1-70b, bge-m3)"
+    unlimited = cli("undrain", "tensorx", "--config", str(EXAMPLE))
+    assert unlimited.returncode == 1
+    assert unlimited.stderr.strip() == "iris-extproc: tensorx has no managed model: unlimited providers are never degraded"
+
+
 def test_the_local_gateway_refuses_a_provider_missing_from_the_envoy_file(tmp_path):
     data = example()
     data["providers"].append({"name": "iris-3", "kind": "managed", "cluster": "iris-3", "models": {"m": {"features": ["chat"]}}})
