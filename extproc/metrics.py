@@ -120,7 +120,11 @@ class FleetCollector(Collector):
                 labels=_PAIR,
             ),
             GaugeMetricFamily("iris_pinned_sessions", "Live pins of the pair, fleet-wide (Redis)", labels=_PAIR),
-            GaugeMetricFamily("iris_pinned_session_limit", "The pair's max_pinned_sessions", labels=_PAIR),
+            GaugeMetricFamily(
+                "iris_pinned_session_limit",
+                "The pair's pin limit: max_pinned_sessions, or max_pinned_sessions_unlimited for a pair without one",
+                labels=_PAIR,
+            ),
             GaugeMetricFamily(
                 "iris_degraded", "1 while the pair's degraded flag of `source` holds (managed pairs only)", labels=[*_PAIR, "source"]
             ),
