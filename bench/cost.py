@@ -108,6 +108,15 @@ def live_counts(client: redis.Redis) -> dict[str, int]:
             "leases": client.zcount(f"{tag}:leases:iris-1", f"({now}", "+inf")}
 
 
+def clear_routing_state(client: redis.Redis) -> None:
+    """Delete every key but the epoch: an empty routing state that the running instance does not
+    take for a Redis that lost its state (a FLUSHALL would start the epoch grace, during which
+    managed pairs admit nothing: README "When Redis is gone")."""
+    doomed = [key for key in client.keys("*") if not key.endswith(b":epoch")]
+    if doomed:
+        client.delete(*doomed)
+
+
 def script_names_by_sha() -> dict[str, str]:
     """Script name of each routing-state script's SHA1 (what EVALSHA names it by)."""
     return {hashlib.sha1(script_source(name).encode()).hexdigest(): name for name in SCRIPT_NAMES}
@@ -291,7 +300,7 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         client = redis.Redis.from_url(gateway.redis_url)
         prefix_chars = gateway.config.session.completions_prefix_chars
         for pins in args.pins:
-            client.flushall()
+            clear_routing_state(client)
             users = [user_name("user-", i) for i in range(pins)]
             sessions = session_ids(gateway.secret, users, prefix_chars)
             seconds = asyncio.run(preload(gateway.redis_url, config_data, sessions, args.leases))
