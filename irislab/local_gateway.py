@@ -23,7 +23,17 @@ from extproc import envoy_check
 from extproc.config import Config, Provider, parse_config
 from extproc.resources import example_config
 from irislab import envoy_config
-from irislab.processes import ManagedProcess, ProcessError, envoy_binary, free_port, free_ports_in_a_row, spawn, start_redis, wait_for_port
+from irislab.processes import (
+    ManagedProcess,
+    ProcessError,
+    StartedTogether,
+    envoy_binary,
+    free_port,
+    free_ports_in_a_row,
+    spawn,
+    start_redis,
+    wait_for_port,
+)
 
 EXAMPLE_CONFIG = example_config()
 
@@ -95,7 +105,7 @@ class Instance:
 
 
 @dataclass
-class LocalGateway:
+class LocalGateway(StartedTogether):
     """Starts and stops a local gateway. Use as a context manager or call start()/stop().
 
     `config_data`: routing configuration as a dict (default: envoy/example-config.yaml); its
@@ -126,17 +136,6 @@ class LocalGateway:
         self.running: list[Instance] = []
         self.config: Config | None = None
         self.started: list[ManagedProcess] = []  # every process started, in order, for stop()
-
-    def __enter__(self) -> LocalGateway:
-        try:
-            self.start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
     @property
     def url(self) -> str:

@@ -68,6 +68,28 @@ def wait_for_port(port: int, timeout_seconds: float = 20.0, process: subprocess.
     raise ProcessError(f"nothing listens on 127.0.0.1:{port} after {timeout_seconds} s")
 
 
+class StartedTogether:
+    """A set of processes used as a context manager: `start()` on entry (stopping what it started
+    when it fails), `stop()` on exit. Subclasses define both."""
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
 @dataclass
 class ManagedProcess:
     """A child process that we started and stop by its pid (SIGTERM, then SIGKILL)."""

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import redis
 
-from irislab.processes import ManagedProcess, ProcessError, redis_cli_binary, redis_server_binary, spawn, start_redis, wait_for_port
+from irislab.processes import ManagedProcess, ProcessError, StartedTogether, redis_cli_binary, redis_server_binary, spawn, start_redis, wait_for_port
 
 SERVICE_NAME = "iris-primary"
 
@@ -69,7 +69,7 @@ def start_replica(folder: Path, primary_port: int, within_seconds: float = 20.0)
 
 
 @dataclass
-class LocalCluster:
+class LocalCluster(StartedTogether):
     """A Redis Cluster of `primaries` primaries with `replicas` replicas each, all on loopback.
     Use as a context manager or call start()/stop()."""
 
@@ -78,17 +78,6 @@ class LocalCluster:
     replicas: int = 1
     node_timeout_ms: int = 1000
     nodes: list[ManagedProcess] = field(default_factory=list)
-
-    def __enter__(self) -> LocalCluster:
-        try:
-            self.start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
     @property
     def seeds(self) -> list[str]:
@@ -179,7 +168,7 @@ class LocalCluster:
 
 
 @dataclass
-class LocalSentinel:
+class LocalSentinel(StartedTogether):
     """A primary, one replica and `sentinels` sentinels (quorum 2) watching it as SERVICE_NAME.
     Use as a context manager or call start()/stop()."""
 
@@ -190,17 +179,6 @@ class LocalSentinel:
     primary: ManagedProcess | None = None
     replica: ManagedProcess | None = None
     watchers: list[ManagedProcess] = field(default_factory=list)
-
-    def __enter__(self) -> LocalSentinel:
-        try:
-            self.start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
     @property
     def addresses(self) -> list[str]:
