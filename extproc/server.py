@@ -505,12 +505,30 @@ class Gateway:
         await self.redis.aclose()
 
 
+class PeerGoneFilter(logging.Filter):
+    """Drops grpc.aio's log of a status it could not send because Envoy had already ended the
+    stream (`ExecuteBatchError` on `SendStatusFromServerOperation`): a client abort or upstream
+    reset, which the stream end already handled (the lease is released), not a server error."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (type(exc).__name__ == "ExecuteBatchError" and "SendStatusFromServerOperation" in str(exc))
+
+
+def quiet_peer_gone_errors() -> None:
+    """Install PeerGoneFilter on grpc's Cython logger (idempotent)."""
+    logger = logging.getLogger("grpc._cython.cygrpc")
+    if not any(isinstance(f, PeerGoneFilter) for f in logger.filters):
+        logger.addFilter(PeerGoneFilter())
+
+
 async def serve(config: Config, config_path: str | None = None, envoy_path: str | None = None) -> None:
     """Run the ext_proc server until SIGTERM or SIGINT, then drain and return. With `config_path`
     (the file `config` was read from) the routing config is reloaded on SIGHUP and when the file
     changes (extproc.reload), checked against `envoy_path` when given.
 
     Raises SecretMissing, adaptation.CredentialError."""
+    quiet_peer_gone_errors()
     gateway = Gateway(config, session_secret(config))
     await gateway.start()
     try:
