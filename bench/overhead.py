@@ -3,10 +3,12 @@
 One simulated upstream with zero delay is reached several ways: `direct` (no proxy at all);
 `plain`, an Envoy rendered from envoy/envoy.yaml without the ext_proc filter whose catch-all route
 goes straight to the upstream's cluster; `gateway`, the full gateway (Envoy + ext_proc + Redis
-admission + release); and each peer of `bench.peers` that is installed (SGLang Model Gateway and
-vllm-router with their policies, each its own process over the same upstream; `--peers none`
-leaves them out, a peer that is not installed is reported as skipped). The
-same load generator (`bench.loadgen`, its own process) sends short non-streamed chat requests from
+admission + release); `floor`, the same Envoy file in front of `bench.floor_extproc`, an ext_proc
+server on the gateway's stack that routes every request to the upstream and does nothing else
+(what the three ext_proc message exchanges cost alone: `--no-floor` leaves it out); and each
+peer of `bench.peers` that is installed (SGLang Model Gateway and vllm-router with their
+policies, each its own process over the same upstream; `--peers none` leaves them out, a peer
+that is not installed is reported as skipped). The same load generator (`bench.loadgen`, its own process) sends short non-streamed chat requests from
 `--users` users (sessions, so nearly every request is a pinned-session admission; the user id
 goes in `x-user-id` and in `X-Session-ID`, which vllm-router's sticky policy reads) to each path,
 one path after the other: open loop at each fixed rate, then closed loop at saturation.
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -48,11 +51,14 @@ from bench.common import (
     start_envoy,
     write_json,
 )
+from bench.floor_extproc import ROUTING_HEADER
 from bench.peers import BY_NAME, PEERS, start_peer, unavailable
+from irislab import envoy_config
 from irislab.local_gateway import LocalGateway
-from irislab.processes import ManagedProcess, free_port
+from irislab.processes import ManagedProcess, free_port, spawn, wait_for_port
 
-PATHS = ("direct", "plain", "gateway")  # then the peers that run here
+PATHS = ("direct", "plain", "gateway")  # then the floor and the peers that run here
+EXT_PROC_PATHS = ("gateway", "floor")  # paths with an ext_proc server, whose CPU is measured apart
 
 
 def selected_peers(spec: str) -> tuple[list[str], dict[str, str]]:
@@ -87,22 +93,28 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             urls = {"direct": f"http://127.0.0.1:{upstream}", "plain": f"http://127.0.0.1:{started[0].port}",
                     "gateway": gateway.url}
             proxy_pids = {"plain": [started[0].pid], "gateway": [gateway.running[0].envoy.pid]}
+            extproc_pids = {"gateway": gateway.running[0].extproc.pid}
+            if args.floor:
+                floor_envoy, floor_extproc = start_floor(gateway.config.server.routing_header, upstream, work)
+                started += [floor_envoy, floor_extproc]
+                urls["floor"] = f"http://127.0.0.1:{floor_envoy.port}"
+                proxy_pids["floor"] = [floor_envoy.pid]
+                extproc_pids["floor"] = floor_extproc.pid
             for name in peers:
                 started.append(start_peer(BY_NAME[name], [f"http://127.0.0.1:{upstream}"], work))
                 urls[name] = f"http://127.0.0.1:{started[-1].port}"
                 proxy_pids[name] = [started[-1].pid]
-            paths = [*PATHS, *peers]
+            paths = [*PATHS, *(["floor"] if args.floor else []), *peers]
             common = ["--users", str(args.users), "--model", MODEL, "--session-header"]
             for path in paths:  # warm-up: connections, pins of every user, code paths
                 run_loadgen(urls[path], work / f"warmup-{path}.json", "--rate", "100",
                             "--requests", str(args.warmup_requests), *common, max_seconds=args.seconds)
             rates = []
-            extproc_pid = gateway.running[0].extproc.pid
             for rate in args.rates:
                 entry: dict[str, Any] = {"rate": rate}
                 for path in paths:
                     decided_before = decision_totals(metrics_url)
-                    cpu_before = tree_cpu_seconds(extproc_pid)
+                    cpu_before = tree_cpu_seconds(extproc_pids[path]) if path in extproc_pids else 0.0
                     proxy_before = sum(cpu_seconds(pid) for pid in proxy_pids.get(path, []))
                     entry[path] = run_loadgen(
                         urls[path], work / f"rate-{rate:g}-{path}.json", "--rate", str(rate),
@@ -110,25 +122,43 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                     )
                     if path in proxy_pids:  # the proxy's own CPU (Envoy's for the gateway; ext_proc apart)
                         entry[path]["proxy_cpu_s"] = sum(cpu_seconds(pid) for pid in proxy_pids[path]) - proxy_before
+                    if path in extproc_pids:
+                        entry[path]["extproc_cpu_s"] = tree_cpu_seconds(extproc_pids[path]) - cpu_before
                     if path == "gateway":
-                        entry[path]["extproc_cpu_s"] = tree_cpu_seconds(extproc_pid) - cpu_before
                         seconds, count = (a - b for a, b in zip(decision_totals(metrics_url), decided_before))
                         entry["decision_mean_ms"] = seconds * 1000 / count if count else float("nan")
                 rates.append(entry)
             saturation: dict[str, Any] = {}
             for path in paths:
-                cpu_before = tree_cpu_seconds(extproc_pid)
+                cpu_before = tree_cpu_seconds(extproc_pids[path]) if path in extproc_pids else 0.0
                 saturation[path] = run_loadgen(
                     urls[path], work / f"saturation-{path}.json", "--concurrency", str(args.concurrency),
                     "--requests", str(args.saturation_max_requests), *common, max_seconds=args.saturation_seconds,
                 )
-                saturation[path]["extproc_cpu_s"] = tree_cpu_seconds(extproc_pid) - cpu_before
+                if path in extproc_pids:
+                    saturation[path]["extproc_cpu_s"] = tree_cpu_seconds(extproc_pids[path]) - cpu_before
         finally:
             for process in started:
                 process.stop()
     arguments = vars(args) | {"plot_dir": str(args.plot_dir), "json": str(args.json), "from_json": None}
     return {"machine": machine_description(), "args": arguments, "paths": paths, "skipped_peers": skipped,
             "rates": rates, "saturation": saturation}
+
+
+def start_floor(routing_header: str, upstream: int, work: Path) -> tuple[ManagedProcess, ManagedProcess]:
+    """The `floor` path: bench.floor_extproc on a free port and an Envoy rendered from
+    envoy/envoy.yaml in front of it, every provider cluster sent to the `upstream` port.
+    Returns (envoy, ext_proc server)."""
+    port = free_port()
+    extproc = spawn("floor-extproc", [sys.executable, "-m", "bench.floor_extproc", "--port", str(port),
+                                      "--cluster", "iris-1"], work)
+    extproc.port = port
+    wait_for_port(port, process=extproc.popen)
+    if routing_header != ROUTING_HEADER:
+        raise ValueError(f"the floor routes with {ROUTING_HEADER}, the gateway's config uses {routing_header}")
+    clusters = {"extproc": port, **{name: upstream for name in ("iris-1", "iris-2", "tensorx")}}
+    bootstrap = envoy_config.render(free_port(), free_port(), clusters)
+    return start_envoy(bootstrap, work, "envoy-floor"), extproc
 
 
 def tree_cpu_seconds(pid: int) -> float:
@@ -171,6 +201,10 @@ def figures(result: dict[str, Any]) -> dict[str, float]:
     cpu_ms = _cpu_ms_per_request(sat["gateway"])
     out["extproc_cpu_ms_per_request"] = cpu_ms
     out["requests_per_extproc_core_s"] = 1000 / cpu_ms if cpu_ms else float("nan")
+    if "floor" in paths:
+        floor_ms = _cpu_ms_per_request(sat["floor"])
+        out["extproc_cpu_ms_per_request:floor"] = floor_ms
+        out["requests_per_extproc_core_s:floor"] = 1000 / floor_ms if floor_ms else float("nan")
     return out
 
 
@@ -199,7 +233,7 @@ def report(result: dict[str, Any]) -> None:
                          _added(entry, path, "plain", "p50"), _added(entry, path, "plain", "p99"),
                          _added(entry, path, "direct", "p50"), _added(entry, path, "direct", "p99"),
                          proxy_cpu * 1000 / r["ok"] if proxy_cpu is not None and r["ok"] else "",
-                         _cpu_ms_per_request(r) if path == "gateway" else "", r["errors"], r["send_lag_p99_ms"]])
+                         _cpu_ms_per_request(r) if path in EXT_PROC_PATHS else "", r["errors"], r["send_lag_p99_ms"]])
         rows.append([f"{entry['rate']:g}", "gateway: routing decision (mean)", "", entry["decision_mean_ms"]]
                     + [""] * 10)
     print_table("Latency at fixed rates (ms)",
@@ -264,6 +298,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="Envoy worker threads (each its own ext_proc connection, spread over the workers)")
     parser.add_argument("--peers", default="all",
                         help=f"peers to measure too: all, none, or some of {','.join(p.name for p in PEERS)}")
+    parser.add_argument("--floor", action=argparse.BooleanOptionalAction, default=True,
+                        help="measure the floor path too (bench.floor_extproc behind the same Envoy file)")
     parser.add_argument("--tiny", action="store_true", help="a few seconds in all (for the smoke test)")
     parser.add_argument("--json", type=Path, help="write the full result here")
     parser.add_argument("--plot-dir", type=Path, help="write overhead_latency_cdf.png here (needs matplotlib)")

@@ -185,8 +185,8 @@ def simulation(args: argparse.Namespace, own: bool = True) -> ProviderSimulation
 
 
 def router_config(args: argparse.Namespace, prefer_previous: bool = False) -> dict[str, Any]:
-    """Two own providers with small limits and a third party; the pin inactivity timeout is the
-    default 300 s compressed like the trace's time."""
+    """Two own providers with small limits and a third party; the pin inactivity timeout is
+    `--pin-timeout-seconds` of trace time (default 300 s, the config's default), compressed like it."""
     limits = {
         "max_pinned_sessions": args.max_pins,
         "max_global_in_flight_request_slots": args.max_in_flight,
@@ -196,7 +196,7 @@ def router_config(args: argparse.Namespace, prefer_previous: bool = False) -> di
     own = [{"name": name, "kind": "managed", "cluster": name,
             "models": {MODEL: {"features": ["chat"], "limits": limits}}} for name in OWN]
     config: dict[str, Any] = {
-        "pin_inactivity_timeout_seconds": 300 / args.speedup,
+        "pin_inactivity_timeout_seconds": args.pin_timeout_seconds / args.speedup,
         "lease_timeout_seconds": 30,
         "redis": {"key_prefix": KEY_PREFIX},
         "session": {"trusted_identity_headers": [USER_HEADER]},  # the replay stands in for an authenticating filter
@@ -589,6 +589,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--reserved", type=int, default=2, help="slots reserved for pinned sessions")
     parser.add_argument("--per-session", type=int, default=2, help="in-flight slots per session")
     parser.add_argument("--max-pins", type=int, default=400, help="pinned sessions per own provider")
+    parser.add_argument("--pin-timeout-seconds", type=float, default=300.0,
+                        help="the router's pin inactivity timeout, in trace time (s; compressed like it)")
     parser.add_argument("--max-num-seqs", type=int, default=6,
                         help="own providers' capacity: generations at once, the others wait (0: no limit)")
     parser.add_argument("--decode-ms-per-running-seq", type=float, default=1.0,
