@@ -1,4 +1,4 @@
-"""The cost of the epoch read every decision makes before it admits (extproc.lease_table):
+"""The cost of the epoch read every decision makes with its admission (extproc.lease_table):
 decisions through `LeaseTable.decide` (and their release) with the read and without it, one at
 a time and 32 at once (the concurrent ones share one read in flight).
 
@@ -34,10 +34,12 @@ async def run(url, skip_read, n, conc):
     table.start()
     await table.refresh_epoch()
     if skip_read:
-        async def nothing() -> None:
-            return None
+        def already_read() -> asyncio.Future:
+            read = asyncio.get_running_loop().create_future()
+            read.set_result(None)
+            return read
 
-        table._read_epoch_shared = nothing
+        table._epoch_read_shared = already_read
     sem = asyncio.Semaphore(conc)
 
     async def one(i):

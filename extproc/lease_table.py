@@ -20,9 +20,10 @@ What a running request is promised (README "When Redis is gone"):
 - only a lease Redis saw expire while its renewals reached Redis (same epoch, no failed renewal
   since the last success) is lost: its request is cancelled.
 
-Every decision reads the epoch before it admits (one read in flight per process, shared by the
-decisions waiting on it), so a Redis that lost its state is seen before anything is admitted on
-it. After a new epoch (written with its creation time, Redis time in ms), managed pairs take no
+Every decision reads the epoch alongside its admission (one read in flight per process, shared
+by the decisions waiting on it, sent with the admission rather than before it: one round trip of
+latency fewer) and abandons what it admitted when the epoch changed, so nothing admitted on a
+Redis that lost its state is kept. After a new epoch (written with its creation time, Redis time in ms), managed pairs take no
 new admission until `redis.epoch_grace` seconds after that time, nor while this process adopts
 after an epoch change: every other instance sees the new epoch within a heartbeat or a probe and
 adopts its running leases meanwhile, and only then may admissions count against them. During
@@ -44,6 +45,7 @@ import math
 import time
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from redis.exceptions import RedisError
@@ -70,14 +72,15 @@ class Refusal(str, enum.Enum):
 @dataclass(eq=False)
 class Held:
     """One running request's decision as the table holds it. `lost` is set when its lease is
-    lost (the stream loop then cancels the request). `local`: the lease lives in this process
-    only (granted during an outage, not yet adopted)."""
+    lost, and `on_lost` (the stream loop's, which then cancels the request) called once.
+    `local`: the lease lives in this process only (granted during an outage, not yet adopted)."""
 
     decision: Decision
     local: bool
     epoch: str | None
     state: RoutingState | None = None  # the config's it was admitted under (extproc.reload); None: the table's
     lost: asyncio.Event = field(default_factory=asyncio.Event)
+    on_lost: Callable[[], None] | None = None
     unconfirmed: bool = False  # a renewal failed since the last one Redis answered
     ended: bool = False
     adopting: bool = False
@@ -87,6 +90,12 @@ class Held:
     @property
     def lease(self) -> Lease | None:
         return self.decision.lease
+
+    def mark_lost(self) -> None:
+        """Redis saw the lease expire: set `lost` and tell the stream loop."""
+        self.lost.set()
+        if self.on_lost is not None:
+            self.on_lost()
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,16 +178,20 @@ class LeaseTable:
         router, state = router or self.router, state or self.state
         if self.breaker.is_open:
             return self._decide_locally(request, state)
-        ids, sent = Ids.fresh(), False
+        if self.rebuilding:
+            return self._decide_locally(request, state, shares=False)
+        ids, admitting = Ids.fresh(), True
         try:
             async with asyncio.timeout(self.config.server.decision_timeout_seconds):
-                await self._read_epoch_shared()
-                if self.rebuilding:
-                    return self._decide_locally(request, state, shares=False)
-                sent = True
+                epoch_read = self._epoch_read_shared()
                 outcome = await router.execute_request(request, ids)
+                admitting = False
+                await self._epoch_read_after(epoch_read)
+            if self.rebuilding:  # Redis lost its state: what was admitted may count on nothing
+                self._abandon(request, ids, state)
+                return self._decide_locally(request, state, shares=False)
         except (RedisError, TimeoutError) as exc:
-            if sent:
+            if not (admitting and is_pool_exhausted(exc)):  # that one never reached Redis
                 self._abandon(request, ids, state)
             if is_pool_exhausted(exc):
                 return Refusal.OVERLOADED
@@ -186,8 +199,7 @@ class LeaseTable:
             self.breaker.record_failure(exc)
             return self._decide_locally(request, state)
         except BaseException:
-            if sent:
-                self._abandon(request, ids, state)
+            self._abandon(request, ids, state)
             raise
         self.breaker.record_success()
         if isinstance(outcome, Rejection):
@@ -301,7 +313,7 @@ class LeaseTable:
                 if self.breaker.is_open:
                     held.unconfirmed = True
                 elif not await self._renew_once(held):
-                    held.lost.set()
+                    held.mark_lost()
                     return
             await asyncio.sleep(interval)
 
@@ -344,14 +356,23 @@ class LeaseTable:
 
     # ---- the epoch and adoption ---------------------------------------------------------
 
-    async def _read_epoch_shared(self) -> None:
-        """Join the epoch read under way, or start one (refresh_epoch). The read runs on when
-        its waiters are cancelled. Raises RedisError."""
+    def _epoch_read_shared(self) -> asyncio.Task:
+        """The epoch read under way, or a new one (refresh_epoch), for a decision to await
+        shielded: it runs on when its waiters are cancelled. Its result raises RedisError."""
         task = self._epoch_read
         if task is None or task.done():
             task = self._epoch_read = asyncio.get_running_loop().create_task(self.refresh_epoch())
             task.add_done_callback(lambda done: done.cancelled() or done.exception())
-        await asyncio.shield(task)
+        return task
+
+    async def _epoch_read_after(self, read: asyncio.Task) -> None:
+        """Await the shared epoch read `read` for an admission that succeeded; when it failed,
+        one read of its own: the shared one may have begun, and failed, before this admission
+        found a free connection. Raises RedisError."""
+        try:
+            await asyncio.shield(read)
+        except RedisError:
+            await asyncio.shield(self._epoch_read_shared())
 
     async def refresh_epoch(self, adopt_on_change: bool = True) -> str:
         """Read the routing state's epoch, writing a new one when there is none (Redis started

@@ -125,37 +125,22 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
     async def Process(self, request_iterator, context: grpc.aio.ServicerContext) -> None:  # noqa: N802 (gRPC name)
         stream = StreamState()
         context.add_done_callback(lambda _: self._end_stream(stream))
+        task = asyncio.current_task()
         try:
-            while True:
-                request = await self._next_message(context, stream)
-                if request is None:
-                    break
+            while (request := await context.read()) is not grpc.aio.EOF:
                 response = await self._handle_or_answer_500(stream, request)
                 if response is not None:
                     await context.write(response)
                     if response.HasField("immediate_response"):
                         break
+        except asyncio.CancelledError:
+            if not stream.lease_lost:
+                raise
+            task.uncancel()
         finally:
             self._end_stream(stream)
         if stream.lease_lost:
             await context.abort(grpc.StatusCode.ABORTED, "request lease lost: the request is cancelled")
-
-    async def _next_message(self, context, stream: StreamState) -> ProcessingRequest | None:
-        """The next message, or None at the end of the stream or when the lease was lost."""
-        read = asyncio.ensure_future(context.read())
-        if stream.held is None or stream.held.lease is None:
-            message = await read
-        else:
-            lost = asyncio.ensure_future(stream.held.lost.wait())
-            try:
-                done, _ = await asyncio.wait((read, lost), return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                lost.cancel()
-            if read not in done:
-                read.cancel()
-                return None
-            message = read.result()
-        return None if message is grpc.aio.EOF else message
 
     async def _handle_or_answer_500(self, stream: StreamState, request: ProcessingRequest) -> ProcessingResponse | None:
         """The last resort: any unexpected exception of a phase is logged with its traceback and
@@ -233,6 +218,7 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
             self.leases.end(outcome, succeeded=False)
             return None
         stream.held, stream.decision = outcome, outcome.decision
+        outcome.on_lost = asyncio.current_task().cancel  # this stream's task: a lost lease cancels it
         decision = outcome.decision
         metrics.DECISIONS.labels(decision.provider.name, parsed.model, decision.reason.value).inc()
         stream.model = parsed.model

@@ -116,6 +116,24 @@ async def test_a_decision_timed_out_on_a_stalled_redis_leaves_nothing_once_it_an
         process.stop()
 
 
+async def test_an_admission_read_with_a_changed_epoch_keeps_nothing(redis_url, redis_client):
+    """The epoch is read alongside the admission, not before it: when that read finds Redis lost
+    its state (here the epoch key is gone, as after a flush), what the admission wrote is
+    abandoned and the decision follows the epoch grace (unlimited pairs only)."""
+    table = make_table(redis_client, redis_url)
+    await table.refresh_epoch()
+    await redis_client.delete(table._epoch_key)
+    outcome = await table.decide(chat("s"))
+    assert isinstance(outcome, Held) and outcome.decision.provider.name == "tensorx"
+    assert table.rebuilding
+    assert await wait_for(lambda: _is_zero(table.pending_abandonments))
+    for provider in ("iris-1", "iris-2"):
+        assert await live(redis_client, table, provider) == 0  # abandoned: an expired record at most
+    assert [k for k in await redis_client.keys("*") if b":pin:" in k] == []
+    table.end(outcome, succeeded=True)
+    await table.drain()
+
+
 async def test_pool_exhaustion_is_overload_and_keeps_the_breaker_closed(redis_url, redis_client):
     busy = connect(redis_url, timeout_seconds=0.2, max_connections=1)
     table = make_table(busy, redis_url, redis={"url": redis_url, "key_prefix": "t", "socket_timeout_seconds": 0.2})
