@@ -63,11 +63,12 @@ def test_overhead_prints_every_figure(tmp_path):
     names = [name.replace("added__ms", "decision_mean_ms") for name in names]
     names += [f"extproc_cpu_ms_per_request@{rate}" for rate in ("20", "50")]
     names += ["saturation_plain_rps", "saturation_gateway_rps", "throughput_ratio",
-              "extproc_cpu_ms_per_request", "requests_per_extproc_core_s"]
+              "extproc_cpu_ms_per_request", "requests_per_extproc_core_s",
+              "saturation_rps:floor", "extproc_cpu_ms_per_request:floor", "requests_per_extproc_core_s:floor"]
     assert_numbers(figures, names)
     for entry in result["rates"]:
-        for path in ("plain", "gateway"):
-            assert entry[path]["ok"] > 0 and entry[path]["latencies_ms"]
+        for path in ("plain", "gateway", "floor"):
+            assert entry[path]["ok"] > 0 and entry[path]["latencies_ms"] and entry[path]["errors"] == 0
     assert result["saturation"]["gateway"]["ok"] > 0
     # every peer is either measured like the other paths or skipped with its reason
     for peer in PEERS:
