@@ -23,12 +23,12 @@ What a running request is promised (README "When Redis is gone"):
 Every decision reads the epoch alongside its admission (one read in flight per process, shared
 by the decisions waiting on it, sent with the admission rather than before it: one round trip of
 latency fewer) and abandons what it admitted when the epoch changed, so nothing admitted on a
-Redis that lost its state is kept. After a new epoch (written with its creation time, Redis time in ms), managed pairs take no
-new admission until `redis.epoch_grace` seconds after that time, nor while this process adopts
-after an epoch change: every other instance sees the new epoch within a heartbeat or a probe and
-adopts its running leases meanwhile, and only then may admissions count against them. During
-the grace decisions follow the outage policy without local shares (unlimited pairs only;
-`fail_closed`: 503).
+Redis that lost its state is kept. After a new epoch (written with its creation time, Redis
+time in ms), managed pairs take no new admission until `redis.epoch_grace` seconds after that
+time, nor while this process adopts after an epoch change: every other instance sees the new
+epoch within a heartbeat or a probe and adopts its running leases meanwhile, and only then may
+admissions count against them. During the grace decisions follow the outage policy without
+local shares (unlimited pairs only; `fail_closed`: 503).
 
 During an outage (the breaker open) the outage policy (extproc.outage) chooses a provider and the
 table holds a local lease for a pair with an in-flight limit. `recover` (called when the probe
