@@ -106,19 +106,15 @@ class MemorySampler:
 
 async def _closed_by_peer(reader: asyncio.StreamReader, deadline: float) -> bool:
     """Read (and drop) until the peer closes (True) or `deadline` (loop time) passes (False)."""
-    loop = asyncio.get_running_loop()
-    while True:
-        left = deadline - loop.time()
-        if left <= 0:
-            return False
-        try:
-            data = await asyncio.wait_for(reader.read(65536), timeout=left)
-        except (asyncio.TimeoutError, TimeoutError):
-            return False
-        except (ConnectionError, OSError):
-            return True
-        if not data:
-            return True
+    try:
+        async with asyncio.timeout_at(deadline):
+            while await reader.read(65536):
+                pass
+    except TimeoutError:
+        return False
+    except (ConnectionError, OSError):
+        pass
+    return True
 
 
 async def _connect(port: int):
@@ -196,28 +192,28 @@ class _H2Counts:
 async def _read_h2(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, counts: _H2Counts, deadline: float) -> bool:
     """Parse the server's frames (ACK its SETTINGS, count RST_STREAM and GOAWAY) until it
     closes the connection (True) or `deadline` passes (False)."""
-    loop = asyncio.get_running_loop()
-    while True:
-        left = deadline - loop.time()
-        if left <= 0:
-            return False
-        try:
-            header = await asyncio.wait_for(reader.readexactly(9), timeout=left)
-            frame, length = Frame.parse_frame_header(memoryview(header))
-            body = await asyncio.wait_for(reader.readexactly(length), timeout=max(0.001, deadline - loop.time()))
-        except (asyncio.TimeoutError, TimeoutError):
-            return False
-        except (asyncio.IncompleteReadError, ConnectionError, OSError):
-            return True
-        kind = header[3]
-        if kind == FRAME_TYPES["SETTINGS"] and not header[4] & 0x1:
-            writer.write(SettingsFrame(0, flags=["ACK"]).serialize())
-        elif kind == FRAME_TYPES["RST_STREAM"]:
-            counts.resets += 1
-            if int.from_bytes(body[:4], "big") == REFUSED_STREAM:
-                counts.refused += 1
-        elif kind == FRAME_TYPES["GOAWAY"]:
-            counts.goaway = True
+    try:
+        async with asyncio.timeout_at(deadline):
+            while True:
+                header = await reader.readexactly(9)
+                _, length = Frame.parse_frame_header(memoryview(header))
+                _count_frame(header, await reader.readexactly(length), writer, counts)
+    except TimeoutError:
+        return False
+    except (asyncio.IncompleteReadError, ConnectionError, OSError):
+        return True
+
+
+def _count_frame(header: bytes, body: bytes, writer: asyncio.StreamWriter, counts: _H2Counts) -> None:
+    kind = header[3]
+    if kind == FRAME_TYPES["SETTINGS"] and not header[4] & 0x1:
+        writer.write(SettingsFrame(0, flags=["ACK"]).serialize())
+    elif kind == FRAME_TYPES["RST_STREAM"]:
+        counts.resets += 1
+        if int.from_bytes(body[:4], "big") == REFUSED_STREAM:
+            counts.refused += 1
+    elif kind == FRAME_TYPES["GOAWAY"]:
+        counts.goaway = True
 
 
 async def h2_stream_flood(port: int, streams: int, plan: FloodPlan, rapid_reset: bool) -> tuple[bool, _H2Counts]:
