@@ -4,7 +4,6 @@ WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY extproc ./extproc
 COPY irislab ./irislab
-COPY lua ./lua
 COPY envoy ./envoy
 RUN pip install --no-cache-dir .
 USER nobody

@@ -9,7 +9,7 @@ Each decision is a pinned session's request (the common path: one fused script c
 by its release, so every decision costs two round trips. Redis is started here without
 persistence; the client runs on the same machine. With `--wait-replicas N` the Redis gets N
 replicas (local processes, in sync before the run) and the config turns on
-`redis.durable_admissions` (a WAIT after every admission, README "Durable admissions"), to
+`redis.durable_admissions` (a WAIT after every admission, docs/routing-state.md "Durable admissions"), to
 measure what it costs. Latencies are per decision (admission only, the release not included).
 """
 
@@ -25,9 +25,9 @@ from pathlib import Path
 from bench.common import cpu_seconds, load_average, summarize_ms
 from extproc import metrics
 from extproc.config import parse_config
-from extproc.degraded import DegradedFlags
-from extproc.routing import Decision, Router, RoutingRequest
-from extproc.state import RoutingState, connect
+from extproc.routing.degraded import DegradedFlags
+from extproc.routing.router import Decision, Router, RoutingRequest
+from extproc.routing.state import RoutingState, connect
 from irislab.processes import start_redis
 from irislab.redis_topologies import start_replica
 

@@ -61,8 +61,8 @@ from bench.common import (
 )
 from bench.loadgen import request_body, user_name
 from extproc.config import IdentitySource, parse_config
-from extproc.openai_request import parse_request, session_id
-from extproc.state import SCRIPT_NAMES, Lease, RoutingState, connect, new_id, script_source
+from extproc.openai_api.request import parse_request, session_id
+from extproc.routing.state import SCRIPT_NAMES, Lease, RoutingState, connect, new_id, script_source
 from irislab.local_gateway import LocalGateway
 
 HOURS = 10 * 3600
@@ -111,7 +111,7 @@ def live_counts(client: redis.Redis) -> dict[str, int]:
 def clear_routing_state(client: redis.Redis) -> None:
     """Delete every key but the epoch: an empty routing state that the running instance does not
     take for a Redis that lost its state (a FLUSHALL would start the epoch grace, during which
-    managed pairs admit nothing: README "When Redis is gone")."""
+    managed pairs admit nothing: docs/routing-state.md "When Redis is gone")."""
     doomed = [key for key in client.keys("*") if not key.endswith(b":epoch")]
     if doomed:
         client.delete(*doomed)

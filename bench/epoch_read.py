@@ -1,4 +1,4 @@
-"""The cost of the epoch read every decision makes with its admission (extproc.lease_table):
+"""The cost of the epoch read every decision makes with its admission (extproc.routing.lease_table):
 decisions through `LeaseTable.decide` (and their release) with the read and without it, one at
 a time and 32 at once (the concurrent ones share one read in flight).
 
@@ -16,11 +16,11 @@ import time
 from pathlib import Path
 
 from extproc.config import parse_config
-from extproc.degraded import DegradedFlags
-from extproc.lease_table import LeaseTable
-from extproc.outage import InstanceRegistry, OutagePolicy, RedisBreaker
-from extproc.routing import Router, RoutingRequest
-from extproc.state import RoutingState, connect
+from extproc.routing.degraded import DegradedFlags
+from extproc.routing.lease_table import LeaseTable
+from extproc.routing.outage import InstanceRegistry, OutagePolicy, RedisBreaker
+from extproc.routing.router import Router, RoutingRequest
+from extproc.routing.state import RoutingState, connect
 from irislab.processes import start_redis
 from tests.conftest import small_config_data
 

@@ -12,7 +12,7 @@ admitting new sessions on one managed pair as fast as they can (each admission a
 lease, nothing released), the primary SIGKILLed after a random 0.3-1.0 s, the replica promoted
 by `REPLICAOF NO ONE`. Forgotten: lease ids the proxy was told ADMITTED that the promoted
 replica's leases key does not hold; each such lease is a request running on the provider that
-the promoted Redis does not count (README "Durable admissions"). Loopback only; the replica is
+the promoted Redis does not count (docs/routing-state.md "Durable admissions"). Loopback only; the replica is
 on the same machine, so the replication lag is the shortest it can be.
 """
 
@@ -31,7 +31,8 @@ import redis as redis_sync
 from bench.admission import MODEL, bench_config
 from bench.common import load_average, summarize_ms
 from extproc.config import parse_config
-from extproc.state import Keyspace, Result, RoutingState, connect
+from extproc.routing.state import Result, RoutingState, connect
+from extproc.storage.keys import Keyspace
 from irislab.processes import free_port, spawn, start_redis, wait_for_port
 from irislab.redis_topologies import start_replica
 

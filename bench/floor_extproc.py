@@ -1,8 +1,8 @@
 """The floor of the ext_proc protocol in Python: an ext_proc server that routes every request to
 one cluster and does nothing else (no parsing, no Redis, no lease, no metric).
 
-It speaks the same protocol as the gateway's server (extproc.server), on the same stack (grpcio's
-aio server, uvloop, the upb-backed types of xds-protos, extproc.envoy_messages' builders), behind
+It speaks the same protocol as the gateway's server (extproc.protocol.stream), on the same stack (grpcio's
+aio server, uvloop, the upb-backed types of xds-protos, extproc.protocol.messages' builders), behind
 the same envoy/envoy.yaml: it answers the request headers (removing the routing header), the
 buffered request body (setting the routing header with clear_route_cache, as the gateway routes)
 and the response headers, and serves grpc.health.v1 for Envoy's health check. What a request
@@ -15,7 +15,6 @@ exchanges: `bench.overhead` measures it as the `floor` path.
 from __future__ import annotations
 
 import argparse
-import asyncio
 
 import grpc
 import uvloop
@@ -23,8 +22,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_gr
 from grpc_health.v1 import health as grpc_health
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from extproc import envoy_messages as msg
-from extproc.server import HEALTH_SERVICES
+from extproc.operations.gateway import HEALTH_SERVICES
+from extproc.protocol import messages as msg
 
 ROUTING_HEADER = "x-iris-cluster"
 

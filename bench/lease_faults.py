@@ -22,8 +22,8 @@ from pathlib import Path
 import httpx
 
 from extproc.config import parse_config
-from extproc.redis_client import connect
-from extproc.state import Result, RoutingState
+from extproc.routing.state import Result, RoutingState
+from extproc.storage.client import connect
 from irislab.processes import start_redis
 from tests.conftest import small_config_data
 from tests.gateway_support import MODEL, chat_body, gateway_config, live_leases, provider_stats, redis_client, start_gateway, wait_until
@@ -140,10 +140,10 @@ def repro_2b(work: Path) -> None:
 
 
 async def _repro_2b(url: str) -> None:
-    from extproc.degraded import DegradedFlags
-    from extproc.lease_table import LeaseTable
-    from extproc.outage import InstanceRegistry, OutagePolicy, RedisBreaker
-    from extproc.routing import Router, RoutingRequest
+    from extproc.routing.degraded import DegradedFlags
+    from extproc.routing.lease_table import LeaseTable
+    from extproc.routing.outage import InstanceRegistry, OutagePolicy, RedisBreaker
+    from extproc.routing.router import Router, RoutingRequest
 
     busy = connect(url, timeout_seconds=0.2, max_connections=1)
     config = parse_config(small_config_data(url))

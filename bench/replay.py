@@ -76,7 +76,7 @@ from bench.common import (
 )
 from bench.peers import BY_NAME as PEERS_BY_NAME
 from bench.peers import PEERS, SESSION_HEADER, start_peer, unavailable
-from extproc.state import Keyspace
+from extproc.storage.keys import Keyspace
 from irislab.local_gateway import LocalGateway, ProviderSimulation
 from irislab.processes import free_port
 

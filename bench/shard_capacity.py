@@ -23,7 +23,7 @@ from pathlib import Path
 from bench.admission import MODEL, bench_config
 from bench.common import cpu_seconds, load_average
 from extproc.config import parse_config
-from extproc.state import Result, RoutingState, connect
+from extproc.routing.state import Result, RoutingState, connect
 from irislab.processes import start_redis
 
 BATCH = 1_000

@@ -1,11 +1,13 @@
 """The `iris-extproc` command.
 
     iris-extproc serve --config PATH          run the ext_proc server
-    iris-extproc up [--demo]                  a whole local gateway (Redis, Envoy, providers)
     iris-extproc drain PROVIDER [--model M]   mark a provider degraded by hand
     iris-extproc undrain PROVIDER [--model M] clear that mark (automatic flags stay)
     iris-extproc status [--json]              per pair: in-flight/limit, pins/limit, state and why
     iris-extproc check --config F --envoy F   does the routing config agree with the Envoy file?
+
+A whole local gateway for trying it (Redis, Envoy, simulated providers) is the lab's command,
+`iris-lab up` (irislab.cli), not this one.
 """
 
 from __future__ import annotations
@@ -13,15 +15,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import signal
 import sys
-from pathlib import Path
 
-from extproc import envoy_check
-from extproc.config import Config, ConfigError, ProviderKind, load_config
-from extproc.degraded import DEFAULT_MANUAL_TTL_SECONDS, MANUAL, DegradedFlags
-from extproc.envoy_check import EnvoyConfigError
-from extproc.redis_client import open_redis
+from extproc.config import Config, ConfigError, ProviderKind, envoy_check, load_config
+from extproc.config.envoy_check import EnvoyConfigError
+from extproc.routing.degraded import DEFAULT_MANUAL_TTL_SECONDS, MANUAL, DegradedFlags
+from extproc.storage.client import open_redis
 
 log = logging.getLogger("iris-extproc")
 
@@ -80,13 +79,6 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("--envoy", required=True)
     check.set_defaults(func=_check)
 
-    up = commands.add_parser("up", help="start a local gateway: Redis, Envoy, ext_proc and simulated providers")
-    up.add_argument("--config", help="routing config (default: envoy/example-config.yaml)")
-    up.add_argument("--envoy", help="Envoy file (default: envoy/envoy.yaml); its ports are moved onto free ones")
-    up.add_argument("--demo", action="store_true", help="drive a multi-turn conversation through it, then keep running")
-    up.add_argument("--exit-after-demo", action="store_true", help="with --demo: stop once the conversation is done")
-    up.set_defaults(func=_up)
-
     for name, helptext in (("drain", "mark a provider degraded (new traffic avoids it)"), ("undrain", "clear a drain")):
         cmd = commands.add_parser(name, help=helptext)
         cmd.add_argument("provider")
@@ -105,15 +97,15 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _serve(args) -> int:
-    from extproc.adaptation import CredentialError
-    from extproc.server import SecretMissing, serve
+    from extproc.openai_api.adaptation import CredentialError
+    from extproc.operations.gateway import SecretMissing, serve
 
     config = load_config(args.config)
     if args.workers < 1:
         print("iris-extproc: --workers must be >= 1", file=sys.stderr)
         return 2
     if args.workers > 1 and args.worker_index is None:
-        from extproc.workers import supervise, worker_command
+        from extproc.operations.workers import supervise, worker_command
 
         if args.envoy:
             try:
@@ -123,7 +115,7 @@ def _serve(args) -> int:
                 return 2
         return supervise(worker_command(args.config, args.event_loop, args.log_level, args.envoy), args.workers)
     if args.worker_index and config.server.metrics_listen:
-        from extproc.workers import worker_metrics_listen
+        from extproc.operations.workers import worker_metrics_listen
 
         server = config.server.model_copy(update={"metrics_listen": worker_metrics_listen(config.server.metrics_listen, args.worker_index)})
         config = config.model_copy(update={"server": server})
@@ -161,52 +153,6 @@ def run_event_loop(main, event_loop: str) -> None:
         uvloop.run(main)
     else:
         asyncio.run(main)
-
-
-def _up(args) -> int:
-    import yaml
-
-    from extproc.resources import envoy_yaml, example_config
-    from irislab.local_gateway import LocalGateway, ProviderSimulation
-    from irislab.processes import ProcessError
-
-    config_path = args.config or str(example_config())
-    envoy_path = args.envoy or str(envoy_yaml())
-    config = load_config(config_path)
-    try:
-        check_pair(config, config_path, envoy_path)
-    except PairDisagrees as exc:
-        print(f"iris-extproc: nothing started: {exc}", file=sys.stderr)
-        return 2
-    data = yaml.safe_load(open(config_path, encoding="utf-8"))
-    simulation = ProviderSimulation(ttft_ms=30, per_token_ms=10, block_tokens=16)
-    try:
-        gateway = LocalGateway(config_data=data, default_simulation=simulation, envoy_source=Path(envoy_path)).__enter__()
-    except ProcessError as exc:  # __enter__ stopped whatever it had started
-        print(f"iris-extproc: the local gateway did not start, everything it started is stopped: {exc}", file=sys.stderr)
-        return 1
-    try:
-        print(f"gateway up: {gateway.url}/v1  (Redis {gateway.redis_url}, logs in {gateway.work_dir}, left there on exit)", flush=True)
-        print(f"routing config: {gateway.running[0].config_path} (use it with status, drain, check; edit it to see a hot reload)", flush=True)
-        if args.demo:
-            from irislab.demo import run_demo
-
-            run_demo(gateway.url, str(gateway.running[0].config_path))
-            if args.exit_after_demo:
-                return 0
-        print("press Ctrl-C to stop", flush=True)
-        _wait_for_signal()
-    finally:
-        gateway.stop()
-    return 0
-
-
-def _wait_for_signal() -> None:
-    received = []
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda signum, frame: received.append(signum))
-    while not received:
-        signal.pause()
 
 
 def _pairs(flags: DegradedFlags, config: Config, provider: str, model: str | None) -> list[tuple[str, str]]:
@@ -260,7 +206,7 @@ def _status(args) -> int:
     with one line on stderr, when Redis cannot be read."""
     from redis.exceptions import RedisError
 
-    from extproc.fleet_state import FleetStateReader
+    from extproc.operations.fleet_state import FleetStateReader
 
     config = load_config(args.config)
 

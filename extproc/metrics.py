@@ -1,13 +1,10 @@
-"""Prometheus metrics of the ext_proc server (prometheus-client). The README's "Metrics" table
-lists every name, type and label.
+"""Every metric of this process, defined here and nowhere else (prometheus-client). A leaf:
+it imports nothing of the gateway. docs/operations.md ("Metrics") lists every name, type and label.
 
-Two kinds:
-- counters and a histogram of this process (decisions, rejections, decision time, Redis errors,
-  lease renewals...), updated on the event loop;
-- the fleet's routing state (in-flight leases and pins against the limits, degraded flags, live
-  instances) read from Redis at scrape time by `FleetCollector`, in the metrics server's thread,
-  cached for about a second. Every instance reports the same fleet-wide values: aggregate them
-  with `max`, never `sum`.
+These are counters, gauges and a histogram of this process (decisions, rejections, decision time,
+Redis errors, lease renewals, health checks...), updated on the event loop. The fleet's routing
+state (in-flight leases and pins against the limits, degraded flags, live instances) is read from
+Redis at scrape time by extproc.operations.exporter.
 
 Labels: `provider` is the routing config's provider name; `gen_ai_request_model` the model the
 client asked for (OpenTelemetry GenAI's `gen_ai.request.model`: a configured model name, never
@@ -16,18 +13,7 @@ free text from a request). No user or session label.
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable, Iterator
-
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, start_http_server
-from prometheus_client.core import GaugeMetricFamily
-from prometheus_client.registry import Collector
-from redis.exceptions import RedisError
-
-from extproc.degraded import SOURCES
-from extproc.fleet_state import CachedFleetState, FleetState
-
-log = logging.getLogger(__name__)
+from prometheus_client import Counter, Gauge, Histogram, disable_created_metrics
 
 disable_created_metrics()  # no `_created` series beside every counter: half the series, nothing lost
 
@@ -72,7 +58,33 @@ CONFIG_LAST_SUCCESS = Gauge(
     "iris_config_last_reload_success_timestamp_seconds", "Unix time (seconds) the running routing config was loaded (start-up included)"
 )
 
-_PAIR = ["provider", MODEL]
+
+# Health, load and passive checks (extproc.operations.health).
+HEALTH_CHECKS = Counter("iris_health_checks_total", "Active health checks, by provider and result", ["provider", "result"])
+UPSTREAM_FAILURES = Counter(
+    "iris_upstream_failures_total", "Upstream failures seen by the passive check, by provider and model", ["provider", "model"]
+)
+DEGRADATIONS = Counter(
+    "iris_automatic_degradations_total", "Times this instance marked a pair degraded, by source", ["provider", "source"]
+)
+FAILURES_DROPPED = Counter(
+    "iris_upstream_failures_dropped_total",
+    "Upstream failures not recorded because the passive check's queue was full",
+)
+
+# The routing core (extproc.routing).
+PIN_CAP_REACHED = Counter(
+    "iris_pin_cap_reached_total",
+    "New pins refused by max_pinned_sessions_unlimited (the request was served without a pin), by provider and model",
+    ["provider", "model"],
+)
+
+# Supervised background loops (extproc.supervision).
+RESTARTS = Counter(
+    "iris_background_task_restarts_total",
+    "Background task steps that raised and were restarted after a backoff, by task",
+    ["task"],
+)
 
 # Series that exist from the start, at 0, so a dashboard shows 0 rather than "no data".
 for _result in ("renewed", "failed", "adopted", "lost"):
@@ -83,90 +95,7 @@ for _result in ("success", "failure"):
     CONFIG_RELOADS.labels(_result)
 
 
-class FleetCollector(Collector):
-    """The fleet's routing state as gauges, read from Redis when Prometheus scrapes (see
-    extproc.fleet_state for the cost: one pipelined round trip, reused for about a second).
-    A failed read yields `iris_fleet_state_up 0` and counts a Redis error; the scrape itself
-    never fails."""
-
-    def __init__(self, fleet: CachedFleetState):
-        self.fleet = fleet
-
-    def describe(self) -> Iterator[GaugeMetricFamily]:
-        return iter(self._families())
-
-    def collect(self) -> Iterator[GaugeMetricFamily]:
-        families = self._families()
-        up = GaugeMetricFamily("iris_fleet_state_up", "1 when the last read of the fleet state from Redis succeeded")
-        try:
-            state = self.fleet.get()
-        except Exception as exc:  # noqa: BLE001 (a scrape never fails: it says up 0)
-            log.warning("fleet state not read for metrics: %s", exc)
-            if isinstance(exc, RedisError):
-                REDIS_ERRORS.labels("fleet_state").inc()
-            up.add_metric([], 0)
-            return iter([up])
-        up.add_metric([], 1)
-        self._fill(families, state)
-        return iter([*families, up])
-
-    def _families(self) -> list[GaugeMetricFamily]:
-        return [
-            GaugeMetricFamily("iris_in_flight_requests", "Live request leases of the pair, fleet-wide (Redis)", labels=_PAIR),
-            GaugeMetricFamily("iris_in_flight_request_limit", "The pair's max_global_in_flight_request_slots", labels=_PAIR),
-            GaugeMetricFamily(
-                "iris_in_flight_request_reserved_slots",
-                "The pair's global_in_flight_request_slots_reserved_for_pinned_sessions",
-                labels=_PAIR,
-            ),
-            GaugeMetricFamily("iris_pinned_sessions", "Live pins of the pair, fleet-wide (Redis)", labels=_PAIR),
-            GaugeMetricFamily(
-                "iris_pinned_session_limit",
-                "The pair's pin limit: max_pinned_sessions, or max_pinned_sessions_unlimited for a pair without one",
-                labels=_PAIR,
-            ),
-            GaugeMetricFamily(
-                "iris_degraded", "1 while the pair's degraded flag of `source` holds (managed pairs only)", labels=[*_PAIR, "source"]
-            ),
-            GaugeMetricFamily("iris_live_instances", "Proxy instances whose heartbeat holds in Redis"),
-            GaugeMetricFamily("iris_fleet_state_read_seconds", "Duration of the last fleet-state read from Redis (seconds)"),
-        ]
-
-    def _fill(self, families: list[GaugeMetricFamily], state: FleetState) -> None:
-        in_flight, limit, reserved, pins, pin_limit, degraded, instances, read_seconds = families
-        for pair in state.pairs:
-            labels = [pair.provider, pair.model]
-            in_flight.add_metric(labels, pair.in_flight)
-            pins.add_metric(labels, pair.pins)
-            if pair.in_flight_limit is not None:
-                limit.add_metric(labels, pair.in_flight_limit)
-                reserved.add_metric(labels, pair.reserved_for_pinned)
-            if pair.pin_limit is not None:
-                pin_limit.add_metric(labels, pair.pin_limit)
-            if pair.kind == "managed":
-                held = {flag.source for flag in pair.flags}
-                for source in SOURCES:
-                    degraded.add_metric([*labels, source], 1 if source in held else 0)
-        instances.add_metric([], state.live_instances)
-        read_seconds.add_metric([], self.fleet.last_read_seconds)
-
-
 def model_label(model: str, configured: frozenset[str] | set[str]) -> str:
     """The `gen_ai_request_model` value for a request's model: itself when configured, else ""
     (a client must not be able to create label values)."""
     return model if model in configured else ""
-
-
-def start_metrics_server(
-    listen: str, fleet: CachedFleetState | None = None, breaker_open: Callable[[], bool] | None = None,
-    registry: CollectorRegistry = REGISTRY,
-):
-    """Serve /metrics on `listen` ("host:port") from a background thread, with the fleet
-    collector when `fleet` is given and the breaker gauge read from `breaker_open`. Returns
-    prometheus-client's (server, thread); `server.shutdown()` stops it."""
-    if fleet is not None:
-        registry.register(FleetCollector(fleet))
-    if breaker_open is not None:
-        REDIS_BREAKER_OPEN.set_function(lambda: 1.0 if breaker_open() else 0.0)
-    host, _, port = listen.rpartition(":")
-    return start_http_server(int(port), addr=host or "127.0.0.1", registry=registry)

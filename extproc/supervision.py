@@ -15,18 +15,11 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
-from prometheus_client import Counter
+from extproc import metrics
 
 log = logging.getLogger(__name__)
 
 MIN_BACKOFF_SECONDS = 0.05
-
-RESTARTS = Counter(
-    "iris_background_task_restarts_total",
-    "Background task steps that raised and were restarted after a backoff, by task",
-    ["task"],
-)
-
 
 def backoff_seconds(failures: int, max_seconds: float) -> float:
     """The wait after the `failures`-th failure in a row (seconds): MIN_BACKOFF_SECONDS doubled
@@ -56,7 +49,7 @@ async def run_every(
             raise
         except Exception:
             failures += 1
-            RESTARTS.labels(task).inc()
+            metrics.RESTARTS.labels(task).inc()
             if failures == 1:
                 log.exception("background task %s failed; restarting with a backoff until it succeeds", task)
             await asyncio.sleep(backoff_seconds(failures, cap))

@@ -2,7 +2,7 @@
 
 The simulated providers (`simulator`), a whole gateway on this machine (`local_gateway`: Redis,
 Envoy, ext_proc servers, simulated providers), the demo conversation (`demo`), process helpers
-(`processes`) and the rendering of `envoy.yaml` onto free ports (`envoy_config`). Used by
-`iris-extproc up`, the tests and the benchmarks; nothing in `extproc` imports it but the `up`
-command.
+(`processes`), the rendering of `envoy.yaml` onto free ports (`envoy_config`) and the `iris-lab`
+command (`cli`: `up` and the demo). Used by the tests and the benchmarks; `extproc` never imports
+it.
 """

@@ -1,6 +1,6 @@
 """Rendering envoy/envoy.yaml for a local run: the same file, with ports and addresses rewritten.
 
-envoy/envoy.yaml stays the one source of the Envoy configuration; `iris-extproc up`, the tests
+envoy/envoy.yaml stays the one source of the Envoy configuration; `iris-lab up`, the tests
 and the benchmarks only move its listener, admin, ext_proc and provider clusters onto free ports.
 """
 
@@ -12,7 +12,7 @@ from typing import Any
 
 import yaml
 
-from extproc.resources import envoy_yaml
+from extproc.config.examples import envoy_yaml
 
 DNS_CLUSTER_TYPES = ("STRICT_DNS", "LOGICAL_DNS")
 DEFAULT_ENVOY_YAML = envoy_yaml()

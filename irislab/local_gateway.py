@@ -1,6 +1,6 @@
 """A whole gateway on this machine: Redis, simulated providers, ext_proc servers and Envoys.
 
-`iris-extproc up`, the integration tests and the benchmarks all start the gateway through
+`iris-lab up`, the integration tests and the benchmarks all start the gateway through
 `LocalGateway`: every process binds 127.0.0.1 on a free port and is stopped by its pid. With
 `instances > 1`, several Envoy + ext_proc pairs share one Redis and the same providers, as
 several proxy replicas would in production.
@@ -19,9 +19,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 import yaml
 
-from extproc import envoy_check
-from extproc.config import Config, Provider, parse_config
-from extproc.resources import example_config
+from extproc.config import Config, Provider, envoy_check, parse_config
+from extproc.config.examples import example_config
 from irislab import envoy_config
 from irislab.processes import (
     ManagedProcess,
@@ -39,7 +38,7 @@ EXAMPLE_CONFIG = example_config()
 
 
 class GatewayConfigError(ProcessError):
-    """The routing config and the Envoy file disagree (extproc.envoy_check): nothing was started."""
+    """The routing config and the Envoy file disagree (extproc.config.envoy_check): nothing was started."""
 
 
 @dataclass

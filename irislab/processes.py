@@ -1,6 +1,6 @@
 """Starting and stopping the local processes of a gateway: Redis, Envoy, and our own servers.
 
-Used by `iris-extproc up`, the tests and the benchmarks. Everything binds 127.0.0.1 on ports
+Used by `iris-lab up`, the tests and the benchmarks. Everything binds 127.0.0.1 on ports
 picked by `free_port`, and every process is stopped by its own pid.
 """
 

@@ -1,6 +1,6 @@
 """A simulated OpenAI-compatible provider (an "inference deployment") built on aiohttp.web.
 
-Integration tests, the demo (``iris-extproc up``) and the trace-replay benchmarks put it behind
+Integration tests, the demo (``iris-lab up``) and the trace-replay benchmarks put it behind
 the gateway. It serves ``/v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings`` and
 ``/v1/responses`` with a deterministic answer, a configurable latency and a prefix cache, and it
 counts what it sees: its ``in_flight`` / ``max_in_flight`` counters are the outside check of the

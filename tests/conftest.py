@@ -1,17 +1,19 @@
 """Shared fixtures: a real redis-server on a free loopback port, started once per test session
-and stopped by pid; each test gets an empty database and a config."""
+and stopped by pid; each test gets an empty database and a config. Helpers live in tests/support.
+
+The tree mirrors the product: unit/<package>/ for each extproc package, gateway/ for the whole
+gateway (real Envoy, Redis and simulated providers), model_based/ for the reference model and the
+differential checks, packaging/ for the wheel, the deployment files and the import layers,
+benchmarks/ for the benchmarks' smoke runs, lab/ for irislab, docs/ for the documentation."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 
 from extproc.config import parse_config
-from extproc.state import RoutingState, connect
+from extproc.routing.state import RoutingState, connect
 from irislab.processes import start_redis
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests.support.configs import small_config_data
 
 
 @pytest.fixture(scope="session")
@@ -32,31 +34,6 @@ async def redis_client(redis_url):
     await client.flushall()
     yield client
     await client.aclose()
-
-
-def small_config_data(redis_url: str = "redis://127.0.0.1:6379/0", **overrides) -> dict:
-    """Two managed providers with small limits for model m, one unlimited third party."""
-    limits = {
-        "max_pinned_sessions": 2,
-        "max_global_in_flight_request_slots": 4,
-        "global_in_flight_request_slots_reserved_for_pinned_sessions": 1,
-        "max_per_session_in_flight_request_slots": 2,
-    }
-    data = {
-        "providers": [
-            {"name": "iris-1", "kind": "managed", "cluster": "iris-1",
-             "models": {"m": {"features": ["chat", "completions", "tools"], "limits": limits},
-                        "e": {"features": ["embeddings"], "limits": limits}}},
-            {"name": "iris-2", "kind": "managed", "cluster": "iris-2",
-             "models": {"m": {"features": ["chat", "completions"], "limits": limits}}},
-            {"name": "tensorx", "kind": "unlimited", "cluster": "tensorx",
-             "models": {"m": {"features": ["chat", "completions", "tools"]},
-                        "e": {"features": ["embeddings"]}}},
-        ],
-        "redis": {"url": redis_url, "key_prefix": "t"},
-    }
-    data.update(overrides)
-    return data
 
 
 @pytest.fixture

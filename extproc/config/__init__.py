@@ -1,0 +1,31 @@
+"""Configuration: the routing config's schema (restart-only settings marked), loading it from
+YAML with every problem named, the check of a routing config against an Envoy file, and the
+shipped examples.
+
+The names most code needs are re-exported here: `from extproc.config import Config, load_config`.
+"""
+
+from extproc.config.loading import ConfigError, load_config, parse_config
+from extproc.config.schema import (
+    DEFAULT_PRIVATE_HEADERS,
+    FEATURE_CLASSES,
+    RESTART_ONLY,
+    SUB_FEATURES,
+    Config,
+    Credentials,
+    HealthCheck,
+    IdentitySource,
+    LoadGauge,
+    ModelLimits,
+    Provider,
+    ProviderKind,
+    RedisSettings,
+    SessionSignal,
+    restart_only_fields,
+)
+
+__all__ = [
+    "DEFAULT_PRIVATE_HEADERS", "FEATURE_CLASSES", "RESTART_ONLY", "SUB_FEATURES", "Config", "ConfigError",
+    "Credentials", "HealthCheck", "IdentitySource", "LoadGauge", "ModelLimits", "Provider", "ProviderKind",
+    "RedisSettings", "SessionSignal", "load_config", "parse_config", "restart_only_fields",
+]

@@ -1,0 +1,188 @@
+"""Does a routing configuration agree with the Envoy configuration it runs behind?
+
+The two files are kept by hand and must agree (docs/operations.md "The config pair"): every provider's
+`cluster` is a cluster of the Envoy bootstrap; the routing header (`server.routing_header`) is the
+route's `cluster_header` and is removed by the early header mutation; the ext_proc filter's
+cluster reaches `server.listen`'s port; each health-check and load URL points at the provider's
+own cluster (the same host and port when the cluster is STATIC). `check` answers one plain
+sentence per disagreement; an empty list means the pair agrees. Used by `iris-extproc check`,
+`serve --envoy`, `up` and the configuration reload.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import yaml
+
+from extproc.config import Config, ProviderKind
+
+EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
+HCM_FILTER = "envoy.filters.network.http_connection_manager"
+LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
+
+
+class EnvoyConfigError(ValueError):
+    """An Envoy configuration file that cannot be read or is not a YAML mapping."""
+
+
+def load_bootstrap(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The Envoy bootstrap of the YAML (or JSON) file at `path`. Raises EnvoyConfigError naming
+    the file for a missing, unreadable or malformed file."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise EnvoyConfigError(f"cannot read the Envoy configuration {path}: {exc.strerror or exc}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise EnvoyConfigError(f"the Envoy configuration {path} is not valid YAML: {_one_line(exc)}") from None
+    if not isinstance(data, dict):
+        raise EnvoyConfigError(f"the Envoy configuration {path} is not a YAML mapping")
+    return data
+
+
+def check(config: Config, bootstrap: dict[str, Any], envoy_name: str = "envoy.yaml", addresses: bool = True) -> list[str]:
+    """The disagreements between `config` and the Envoy `bootstrap`, one sentence each (empty:
+    they agree). `envoy_name` names the Envoy file in the sentences. With `addresses` False the
+    ext_proc port and the health/load URLs are not compared (for a local gateway that moves every
+    address onto free ports). Never raises on a malformed bootstrap: its shape is a problem too."""
+    clusters = {c.get("name"): c for c in _list(_dict(bootstrap.get("static_resources")).get("clusters")) if isinstance(c, dict)}
+    problems = []
+    for provider in config.providers:
+        if provider.cluster not in clusters:
+            known = ", ".join(sorted(str(name) for name in clusters)) or "none"
+            problems.append(f"provider {provider.name}: cluster {provider.cluster!r} is not a cluster of {envoy_name} (its clusters: {known})")
+    managers = _connection_managers(bootstrap)
+    if not managers:
+        problems.append(f"{envoy_name}: no listener with an http_connection_manager")
+    for manager in managers:
+        problems += _header_problems(config.server.routing_header, manager, envoy_name)
+        if addresses:
+            problems += _ext_proc_problems(config.server.listen, manager, clusters, envoy_name)
+    if addresses:
+        for provider in config.providers:
+            cluster = clusters.get(provider.cluster)
+            for name in ("health_check", "load"):
+                setting = getattr(provider, name)
+                if setting is not None and cluster is not None and provider.kind is ProviderKind.MANAGED:
+                    problems += _url_problems(f"provider {provider.name}: {name}.url", setting.url, cluster, envoy_name)
+    return problems
+
+
+def check_files(config: Config, envoy_path: str | os.PathLike[str], addresses: bool = True) -> list[str]:
+    """`check` against the Envoy file at `envoy_path`. Raises EnvoyConfigError."""
+    return check(config, load_bootstrap(envoy_path), str(envoy_path), addresses)
+
+
+def _connection_managers(bootstrap: dict[str, Any]) -> list[dict[str, Any]]:
+    managers = []
+    for listener in _list(_dict(bootstrap.get("static_resources")).get("listeners")):
+        for chain in _list(_dict(listener).get("filter_chains")):
+            for network_filter in _list(_dict(chain).get("filters")):
+                network_filter = _dict(network_filter)
+                if network_filter.get("name") == HCM_FILTER:
+                    managers.append(_dict(network_filter.get("typed_config")))
+    return managers
+
+
+def _header_problems(header: str, manager: dict[str, Any], envoy_name: str) -> list[str]:
+    """The routing header is every header route's cluster_header and the early mutation removes it."""
+    problems = []
+    routes = [
+        _dict(route)
+        for host in _list(_dict(manager.get("route_config")).get("virtual_hosts"))
+        for route in _list(_dict(host).get("routes"))
+    ]
+    cluster_headers = [_dict(r.get("route")).get("cluster_header") for r in routes if "cluster_header" in _dict(r.get("route"))]
+    if not cluster_headers:
+        problems.append(f"{envoy_name}: no route with cluster_header (the route that sends a request to the chosen cluster)")
+    for name in cluster_headers:
+        if str(name).lower() != header.lower():
+            problems.append(f"{envoy_name}: the route's cluster_header is {name!r} but server.routing_header is {header!r}")
+    removed = [
+        str(mutation.get("remove", "")).lower()
+        for extension in _list(manager.get("early_header_mutation_extensions"))
+        for mutation in _list(_dict(_dict(extension).get("typed_config")).get("mutations"))
+        if isinstance(mutation, dict)
+    ]
+    if header.lower() not in removed:
+        problems.append(
+            f"{envoy_name}: no early header mutation removes {header!r}, so a client could choose the cluster "
+            "(early_header_mutation_extensions: remove)"
+        )
+    return problems
+
+
+def _ext_proc_problems(listen: str, manager: dict[str, Any], clusters: dict[str, Any], envoy_name: str) -> list[str]:
+    """The ext_proc filter's cluster reaches server.listen's port."""
+    filters = [_dict(f) for f in _list(manager.get("http_filters")) if _dict(f).get("name") == EXT_PROC_FILTER]
+    if not filters:
+        return [f"{envoy_name}: no {EXT_PROC_FILTER} filter"]
+    problems = []
+    _, _, port = listen.rpartition(":")
+    for ext_proc in filters:
+        grpc_service = _dict(_dict(ext_proc.get("typed_config")).get("grpc_service"))
+        name = _dict(grpc_service.get("envoy_grpc")).get("cluster_name")
+        if name is None:
+            continue  # google_grpc names its target directly: nothing to compare here
+        cluster = clusters.get(name)
+        if cluster is None:
+            problems.append(f"{envoy_name}: the ext_proc filter's cluster {name!r} is not a cluster of the file")
+            continue
+        ports = {str(p) for _, p in _endpoints(cluster)}
+        if port not in ports:
+            shown = ", ".join(sorted(ports)) or "none"
+            problems.append(f"{envoy_name}: the ext_proc cluster {name!r} reaches port {shown} but server.listen is {listen!r}")
+    return problems
+
+
+def _url_problems(what: str, url: str, cluster: dict[str, Any], envoy_name: str) -> list[str]:
+    """A check URL is http(s) and, for a STATIC cluster, on one of its endpoints' host and port."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return [f"{what} {url!r} is not an http:// or https:// URL with a host"]
+    if cluster.get("type", "STATIC") != "STATIC":
+        return []
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:
+        return [f"{what} {url!r} has an invalid port"]
+    endpoints = _endpoints(cluster)
+    if not endpoints:
+        return []
+    for host, endpoint_port in endpoints:
+        if _same_host(parts.hostname, str(host)) and str(endpoint_port) == str(port):
+            return []
+    shown = ", ".join(f"{host}:{p}" for host, p in endpoints)
+    return [f"{what} {url!r} is not on cluster {cluster.get('name')!r} of {envoy_name} ({shown})"]
+
+
+def _endpoints(cluster: dict[str, Any]) -> list[tuple[Any, Any]]:
+    """(address, port) of every endpoint of a cluster's load_assignment."""
+    out = []
+    for group in _list(_dict(cluster.get("load_assignment")).get("endpoints")):
+        for lb_endpoint in _list(_dict(group).get("lb_endpoints")):
+            address = _dict(_dict(_dict(_dict(lb_endpoint).get("endpoint")).get("address")).get("socket_address"))
+            if "port_value" in address:
+                out.append((address.get("address"), address["port_value"]))
+    return out
+
+
+def _same_host(a: str, b: str) -> bool:
+    return a.lower() == b.lower() or (a.lower() in LOOPBACK and b.lower() in LOOPBACK)
+
+
+def _dict(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def _list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else []
+
+
+def _one_line(exc: Exception) -> str:
+    return " ".join(str(exc).split())

@@ -1,0 +1,199 @@
+"""Loading the routing config: YAML to a validated `Config`, every problem named.
+
+`load_config` rejects a bad file with one message per problem, each naming the field path, for
+example ``providers[1].models.llama-3.1-70b.limits.max_pinned_sessions: must be >= 0``: the
+schema's own checks (extproc.config.schema) and the cross-field rules below.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from extproc.config.schema import (
+    FEATURE_CLASSES,
+    REDIS_NODE_PATTERN,
+    SUB_FEATURES,
+    Config,
+    ModelLimits,
+    Provider,
+    ProviderKind,
+    RedisSettings,
+)
+
+
+class ConfigError(ValueError):
+    """A configuration file that cannot be used. `problems` holds one 'path: message' per problem."""
+
+    def __init__(self, source: str, problems: list[str]):
+        self.problems = problems
+        super().__init__(f"invalid configuration {source}:\n  " + "\n  ".join(problems))
+
+
+
+def load_config(path: str | os.PathLike[str]) -> Config:
+    """Read and validate a YAML configuration file.
+
+    Raises ConfigError listing every problem (schema and cross-field checks, YAML syntax, text
+    that is not UTF-8), or OSError (with its `filename`) when the file cannot be read.
+    """
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(str(path), ["<file>: not UTF-8 text"]) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(str(path), [f"<file>: not valid YAML: {' '.join(str(exc).split())}"]) from None
+    return parse_config(data, source=str(path))
+
+
+def parse_config(data: Any, source: str = "<data>") -> Config:
+    """Validate already-parsed configuration data. Raises ConfigError."""
+    try:
+        config = Config.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(source, [_describe(error) for error in exc.errors()]) from None
+    problems = _cross_field_problems(config)
+    if problems:
+        raise ConfigError(source, problems)
+    return config
+
+
+def _cross_field_problems(config: Config) -> list[str]:
+    problems = []
+    for label, values in (
+        ("name", [p.name for p in config.providers]),
+        ("cluster", [p.cluster for p in config.providers]),
+    ):
+        for value, count in Counter(values).items():
+            if count > 1:
+                problems.append(f"providers: duplicate provider {label} {value!r}")
+    for i, provider in enumerate(config.providers):
+        for model, entry in provider.models.items():
+            at = f"providers[{i}].models.{model}"
+            if "{" in model or "}" in model or not model.strip():
+                problems.append(f"{at}: a model name must be non-blank and hold no braces")
+            unknown = entry.features - FEATURE_CLASSES - SUB_FEATURES
+            if unknown:
+                problems.append(f"{at}.features: unknown feature(s) {sorted(unknown)}")
+            if not entry.features & FEATURE_CLASSES:
+                problems.append(f"{at}.features: needs one of {sorted(FEATURE_CLASSES)}")
+            problems.extend(_limit_problems(at, provider.kind, entry.limits))
+        problems.extend(_provider_extension_problems(f"providers[{i}]", provider))
+    problems.extend(_session_problems(config))
+    problems.extend(_redis_problems(config.redis))
+    return problems
+
+
+def _session_problems(config: Config) -> list[str]:
+    """No source or signal twice; a trusted identity header is not a header clients send anyway."""
+    session = config.session
+    problems = []
+    for name in ("identity_sources", "signals", "trusted_identity_headers", "session_headers", "agent_session_headers"):
+        values = getattr(session, name)
+        if len(set(values)) != len(values):
+            problems.append(f"session.{name}: holds a value twice")
+    clash = set(session.trusted_identity_headers) & (
+        {config.server.routing_header} | set(config.adaptation.client_credential_headers)
+        | set(session.session_headers) | set(session.agent_session_headers)
+    )
+    if clash:
+        problems.append(f"session.trusted_identity_headers: {sorted(clash)} cannot carry an identity")
+    return problems
+
+
+def _redis_problems(redis: RedisSettings) -> list[str]:
+    """One topology only; node addresses are `host:port`."""
+    problems = []
+    if redis.cluster is not None and redis.sentinel is not None:
+        problems.append("redis: set only one of cluster or sentinel")
+    if "url" in redis.model_fields_set and (redis.cluster is not None or redis.sentinel is not None):
+        problems.append("redis.url: a standalone URL cannot be combined with redis.cluster or redis.sentinel")
+    for at, nodes in (("redis.cluster.nodes", redis.cluster and redis.cluster.nodes),
+                      ("redis.sentinel.sentinels", redis.sentinel and redis.sentinel.sentinels)):
+        for i, node in enumerate(nodes or []):
+            if not re.match(REDIS_NODE_PATTERN, node) or not 0 < int(node.rsplit(":", 1)[1]) < 65536:
+                problems.append(f"{at}[{i}]: {node!r} is not host:port")
+    durable = redis.durable_admissions
+    if durable is not None and durable.timeout_ms >= redis.socket_timeout_seconds * 1000:
+        problems.append("redis.durable_admissions.timeout_ms: must be below redis.socket_timeout_seconds "
+                        "(the WAIT would outlast the command timeout)")
+    learn_within = max(redis.probe_interval_seconds, redis.instance_heartbeat_seconds)
+    if redis.epoch_grace_seconds is not None and redis.epoch_grace_seconds <= learn_within:
+        problems.append(f"redis.epoch_grace_seconds: must exceed probe_interval_seconds and instance_heartbeat_seconds "
+                        f"({_plain_number(learn_within)}), the time every instance takes to see a new epoch")
+    return problems
+
+
+def _provider_extension_problems(at: str, provider: Provider) -> list[str]:
+    """Credentials name one source; health and load checks only on managed providers."""
+    problems = []
+    credentials = provider.credentials
+    if credentials is not None and (credentials.api_key_env is None) == (credentials.api_key_file is None):
+        problems.append(f"{at}.credentials: set exactly one of api_key_env or api_key_file")
+    if credentials is not None and credentials.header in ("host", "content-length", "content-type"):
+        problems.append(f"{at}.credentials.header: {credentials.header!r} cannot carry a key")
+    if provider.kind is ProviderKind.UNLIMITED:
+        for name in ("health_check", "load"):
+            if getattr(provider, name) is not None:
+                problems.append(f"{at}.{name}: an unlimited provider is never degraded (the spec)")
+    load = provider.load
+    if load is not None and load.recover_below is not None and load.recover_below > load.threshold:
+        problems.append(f"{at}.load.recover_below: must be <= threshold ({_plain_number(load.threshold)})")
+    return problems
+
+
+def _limit_problems(at: str, kind: ProviderKind, limits: ModelLimits | None) -> list[str]:
+    if limits is None:
+        return []
+    if kind is ProviderKind.UNLIMITED:
+        return [f"{at}.limits: an unlimited provider has no limits (the spec)"]
+    reserved = limits.global_in_flight_request_slots_reserved_for_pinned_sessions
+    if not reserved:
+        return []
+    total = limits.max_global_in_flight_request_slots
+    if total is None or reserved > total:
+        return [
+            f"{at}.limits.global_in_flight_request_slots_reserved_for_pinned_sessions: "
+            f"must be <= max_global_in_flight_request_slots ({total})"
+        ]
+    return []
+
+
+_MESSAGES = {
+    "missing": "is required",
+    "extra_forbidden": "unknown field",
+    "greater_than_equal": "must be >= {ge}",
+    "greater_than": "must be > {gt}",
+    "too_short": "must not be empty",
+    "string_pattern_mismatch": "must match {pattern}",
+}
+
+
+def _describe(error: Any) -> str:
+    path = _format_location(error["loc"])
+    template = _MESSAGES.get(error["type"])
+    context = {k: _plain_number(v) for k, v in error.get("ctx", {}).items()}
+    message = template.format(**context) if template else error["msg"]
+    return f"{path}: {message}"
+
+
+def _plain_number(value: Any) -> Any:
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def _format_location(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out or "<root>"

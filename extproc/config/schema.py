@@ -1,0 +1,414 @@
+"""The routing config's schema: pydantic models of the YAML file.
+
+The file names the providers in priority order (the spec's MANAGED_PROVIDERS_IN_PRIORITY_ORDER
+followed by UNLIMITED_PROVIDERS_IN_PRIORITY_ORDER), the models each serves with their features,
+and the spec's limits per (provider, model) pair. extproc.config.loading validates a file against
+these models and the cross-field rules.
+
+Most settings are reloaded live (extproc.operations.reload). A field annotated with RESTART_ONLY
+keeps its running value until the process restarts: `restart_only_fields()` lists them, and the
+configuration reference (docs/configuration.md, made by extproc.config.reference) marks them.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+FEATURE_CLASSES = frozenset({"chat", "completions", "embeddings", "responses"})
+SUB_FEATURES = frozenset({"tools", "vision", "json_schema"})
+
+
+class RestartOnly:
+    """Marks a setting that a running server keeps until it restarts (as `Annotated` metadata):
+    a reload that changes it logs that a restart is needed and keeps the running value."""
+
+    def __repr__(self) -> str:
+        return "RESTART_ONLY"
+
+
+RESTART_ONLY = RestartOnly()
+
+
+def restart_only_fields(model: type[BaseModel]) -> tuple[str, ...]:
+    """The names of `model`'s fields marked RESTART_ONLY, in declaration order."""
+    return tuple(name for name, field in model.model_fields.items() if any(isinstance(m, RestartOnly) for m in field.metadata))
+
+
+class ProviderKind(str, enum.Enum):
+    """`managed`: our own deployment, health-checked, may have limits. `unlimited`: a third party."""
+
+    MANAGED = "managed"
+    UNLIMITED = "unlimited"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelLimits(_Strict):
+    """The spec's ModelLimits for one (provider, model) pair; a field left out is not limited."""
+
+    max_pinned_sessions: int | None = Field(default=None, ge=0)
+    max_global_in_flight_request_slots: int | None = Field(default=None, ge=0)
+    global_in_flight_request_slots_reserved_for_pinned_sessions: int = Field(default=0, ge=0)
+    max_per_session_in_flight_request_slots: int | None = Field(default=None, ge=0)
+
+
+class ModelEntry(_Strict):
+    """A model a provider serves: its features (chat, completions, ... plus sub-features such as
+    tools or vision), its limits (absent: an unlimited pair) and the provider's own name for it."""
+
+    features: frozenset[str] = Field(min_length=1)
+    limits: ModelLimits | None = None
+    upstream_model: str | None = None
+
+
+class Credentials(_Strict):
+    """Where a provider's API key comes from: exactly one of `api_key_env` (an environment
+    variable) or `api_key_file` (a file holding the key; surrounding whitespace is dropped),
+    never the configuration file itself. The key is read once at start-up and sent as
+    `<header>: <prefix><key>`: by default `authorization: Bearer <key>`; for an `api-key`
+    header set `header: api-key` (its prefix then defaults to none)."""
+
+    api_key_env: str | None = Field(default=None, min_length=1)
+    api_key_file: str | None = Field(default=None, min_length=1)
+    header: str = Field(default="authorization", pattern=r"^[a-z0-9][a-z0-9_-]*$")
+    prefix: str | None = None
+
+    def header_prefix(self) -> str:
+        """The text before the key: `prefix`, else "Bearer " for authorization, else nothing."""
+        if self.prefix is not None:
+            return self.prefix
+        return "Bearer " if self.header == "authorization" else ""
+
+
+class HealthCheck(_Strict):
+    """An active HTTP health check of a managed provider, run by every ext_proc instance: a GET
+    of `url` every `interval_seconds` that must answer 2xx within `timeout_seconds`. After
+    `failures_before_degraded` failures in a row the provider is marked degraded (every model),
+    after `successes_before_healthy` successes in a row it is healthy again."""
+
+    url: str = Field(pattern=r"^https?://")
+    interval_seconds: float = Field(default=5.0, gt=0)
+    timeout_seconds: float = Field(default=1.0, gt=0)
+    failures_before_degraded: int = Field(default=3, ge=1)
+    successes_before_healthy: int = Field(default=2, ge=1)
+
+
+class LoadGauge(_Strict):
+    """Degrade a managed provider while a gauge of its Prometheus endpoint `url` (text format)
+    is above `threshold`, until it falls to `recover_below` (default: the threshold). The gauge is
+    the sum of the samples named `metric` (for example vLLM's `vllm:num_requests_waiting`); with
+    `model_label` set (for example `model_name`), per model: the samples whose label equals the
+    model's upstream name. Read every `interval_seconds`, within `timeout_seconds`."""
+
+    url: str = Field(pattern=r"^https?://")
+    metric: str = Field(min_length=1)
+    threshold: float
+    recover_below: float | None = None
+    model_label: str | None = None
+    interval_seconds: float = Field(default=5.0, gt=0)
+    timeout_seconds: float = Field(default=1.0, gt=0)
+
+
+class PassiveHealth(_Strict):
+    """Passive degradation: `failures` upstream failures (5xx answers, connection failures and
+    resets before the response) of one managed (provider, model) within `window_seconds`, counted
+    over every instance in Redis, degrade it for `cooldown_seconds`."""
+
+    enabled: bool = True
+    failures: int = Field(default=5, ge=1)
+    window_seconds: float = Field(default=10.0, gt=0)
+    cooldown_seconds: float = Field(default=30.0, gt=0)
+
+
+class ConnectFailure(_Strict):
+    """Immediate degradation: a managed (provider, model) whose connection Envoy saw refused or
+    reset before the response headers is degraded at once (source `connect`) for `ttl_seconds`,
+    unless a 2xx response of the pair or a healthy check of the provider clears it first."""
+
+    enabled: bool = True
+    ttl_seconds: float = Field(default=15.0, gt=0)
+
+
+class DegradationSettings(_Strict):
+    """Automatic degradation. A flag written by a health or load check lives
+    `flag_ttl_intervals` check intervals unless the next check renews it, so a dead checker never
+    pins a provider degraded."""
+
+    passive: PassiveHealth = PassiveHealth()
+    connect: ConnectFailure = ConnectFailure()
+    flag_ttl_intervals: float = Field(default=3.0, ge=1)
+
+
+_HEADER_NAME = r"^[a-z0-9][a-z0-9_.-]*$"
+HeaderName = Annotated[str, Field(pattern=_HEADER_NAME)]
+
+
+class PreferPreviousProvider(_Strict):
+    """An option outside the spec, off by default: a session that has no pin (its pin expired
+    between turns) tries the provider of its previous pin first when it pins again, where its
+    prefix is most likely still cached. Only the order of the spec's candidates changes: the
+    previous provider moves to the front of its own kind (managed providers still come before
+    unlimited ones), it must be eligible (supports the request, not degraded), and the admission
+    applies every limit as always. The memory is this process's own: at most `max_sessions`
+    sessions (least recently routed forgotten first), each for `remember_seconds` after its
+    last pinned request; another replica that never routed the session follows the spec."""
+
+    enabled: bool = False
+    remember_seconds: float = Field(default=3600.0, gt=0)
+    max_sessions: int = Field(default=100_000, gt=0)
+
+
+class RoutingSettings(_Strict):
+    """Options of the routing algorithm beyond the spec (each off by default)."""
+
+    prefer_previous_provider: PreferPreviousProvider = PreferPreviousProvider()
+
+
+# What tells who a client is, or where it is, to a third party: never sent to unlimited providers.
+DEFAULT_PRIVATE_HEADERS = (
+    "cookie", "x-forwarded-for", "forwarded", "x-real-ip", "true-client-ip", "x-client-ip",
+    "cf-connecting-ip", "x-envoy-external-address", "x-user-id",
+)
+
+
+class AdaptationSettings(_Strict):
+    """What requests lose before they leave: the client's own credential headers (every
+    provider), and the headers that identify the client or where it connects from (unlimited
+    providers: third parties). The session's trusted identity headers are removed before
+    unlimited providers as well, whatever this list says."""
+
+    client_credential_headers: list[HeaderName] = ["authorization", "api-key", "x-api-key"]
+    private_headers: list[HeaderName] = list(DEFAULT_PRIVATE_HEADERS)
+
+
+class Provider(_Strict):
+    """One provider: a name, a kind, the Envoy cluster that reaches it, and its models."""
+
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9._-]+$")
+    kind: ProviderKind
+    cluster: str = Field(min_length=1, pattern=r"^[A-Za-z0-9._-]+$")
+    models: dict[str, ModelEntry] = Field(min_length=1)
+    credentials: Credentials | None = None
+    health_check: HealthCheck | None = None
+    load: LoadGauge | None = None
+
+    def supports(self, model: str, feature: str, sub_features: frozenset[str] = frozenset()) -> bool:
+        """The spec's provider.supports(model, feature): the model is served with the feature
+        class and every requested sub-feature."""
+        entry = self.models.get(model)
+        return entry is not None and feature in entry.features and sub_features <= entry.features
+
+    def limits(self, model: str) -> ModelLimits | None:
+        """The pair's configured limits, or None for an unlimited pair."""
+        entry = self.models.get(model)
+        return entry.limits if entry else None
+
+
+REDIS_NODE_PATTERN = r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):[0-9]{1,5}$"
+
+
+class RedisClusterSettings(_Strict):
+    """A Redis Cluster: one or more seed nodes (`host:port`); the client learns every other node
+    and the slot map from them, and follows MOVED / ASK redirections itself."""
+
+    nodes: list[str] = Field(min_length=1)
+
+
+class RedisSentinelSettings(_Strict):
+    """A primary with replicas watched by Redis Sentinel: the sentinels (`host:port`) and the
+    service name they know the primary by (`sentinel monitor <service_name> ...`). The client asks
+    the sentinels for the primary and asks again after a failover. `password_env`: the
+    environment variable holding the sentinels' own password (their `requirepass`), if any."""
+
+    sentinels: list[str] = Field(min_length=1)
+    service_name: str = Field(min_length=1)
+    password_env: str | None = Field(default=None, min_length=1)
+
+
+class DurableAdmissions(_Strict):
+    """Admissions acknowledged by `replicas` replicas before they are answered (docs/routing-state.md "Durable
+    admissions"): after each admitting script the client sends `WAIT <replicas> <timeout_ms>` on
+    the same connection. When the replicas do not acknowledge within `timeout_ms` (milliseconds)
+    the admission still stands and is counted as not replicated (a metric and a log line)."""
+
+    replicas: int = Field(default=1, ge=1)
+    timeout_ms: int = Field(default=50, gt=0)
+
+
+class RedisSettings(_Strict):
+    """Where the shared routing state lives, and what happens while it is gone. Timeouts in
+    seconds. `outage_policy` (docs/routing-state.md "When Redis is gone"): `degrade` sends new traffic to pairs
+    without an in-flight limit only, `local_share` also lets each instance hold up to its share of
+    a managed pair (every lease it holds there counts), `fail_closed` answers 503. The breaker
+    opens after `breaker_failures_in_a_row` failed Redis calls in a row (a call that found the
+    connection pool busy is load, not a failure, and does not count).
+`epoch_grace_seconds`: after Redis lost its state (a new epoch), managed pairs take no new
+    admission until this long after the epoch was written (Redis time), so that every instance
+    has adopted its running leases first; None (default): 2 x max(probe_interval_seconds,
+    instance_heartbeat_seconds) + 1 (3 s with the defaults).
+
+    One topology: a standalone Redis at `url` (`redis://` or `rediss://` for TLS, with
+    `user:password@` if wanted), a Redis Cluster (`cluster`), or a primary behind Sentinel
+    (`sentinel`). `username` and `password_env` (an environment variable, never the password
+    itself) authenticate to the data nodes of any topology; `tls` turns TLS on for cluster and
+    sentinel (a standalone URL says it with `rediss://`), verified against `tls_ca_file` or the
+    system's certificates. `durable_admissions` (off when None): WAIT for replicas after every
+    admission (DurableAdmissions)."""
+
+    url: Annotated[str, RESTART_ONLY] = Field(default="redis://127.0.0.1:6379/0", pattern=r"^rediss?://")
+    cluster: Annotated[RedisClusterSettings | None, RESTART_ONLY] = None
+    sentinel: Annotated[RedisSentinelSettings | None, RESTART_ONLY] = None
+    username: Annotated[str | None, RESTART_ONLY] = Field(default=None, min_length=1)
+    password_env: Annotated[str | None, RESTART_ONLY] = Field(default=None, min_length=1)
+    tls: Annotated[bool, RESTART_ONLY] = False
+    tls_ca_file: Annotated[str | None, RESTART_ONLY] = Field(default=None, min_length=1)
+    key_prefix: Annotated[str, RESTART_ONLY] = Field(default="iris", pattern=r"^[A-Za-z0-9._:-]+$")
+    socket_timeout_seconds: Annotated[float, RESTART_ONLY] = Field(default=0.5, gt=0)
+    max_connections: Annotated[int, RESTART_ONLY] = Field(default=64, gt=0)
+    housekeeping_grace_seconds: float = Field(default=60.0, ge=0)
+    outage_policy: Literal["degrade", "local_share", "fail_closed"] = "degrade"
+    breaker_failures_in_a_row: Annotated[int, RESTART_ONLY] = Field(default=3, ge=1)
+    probe_interval_seconds: float = Field(default=0.5, gt=0)
+    instance_heartbeat_seconds: Annotated[float, RESTART_ONLY] = Field(default=1.0, gt=0)
+    durable_admissions: DurableAdmissions | None = None
+    epoch_grace_seconds: float | None = Field(default=None, gt=0)
+
+    @property
+    def epoch_grace(self) -> float:
+        """The grace after a new epoch, seconds (see the class docstring)."""
+        if self.epoch_grace_seconds is not None:
+            return self.epoch_grace_seconds
+        return 2 * max(self.probe_interval_seconds, self.instance_heartbeat_seconds) + 1
+
+
+class IdentitySource(str, enum.Enum):
+    """Where a client's identity may come from (docs/sessions.md "Identity and sessions").
+
+    `trusted_header`: a header an authenticating filter (jwt_authn, ext_authz) sets, listed in
+    `session.trusted_identity_headers`; envoy/envoy.yaml must strip the client's own copy.
+    `credential`: a keyed hash of the client's credential (`adaptation.client_credential_headers`).
+    `body`: the body's `safety_identifier`, else its `user` (client-chosen: weakest)."""
+
+    TRUSTED_HEADER = "trusted_header"
+    CREDENTIAL = "credential"
+    BODY = "body"
+
+
+class SessionSignal(str, enum.Enum):
+    """What may say "this is one conversation", strongest first by default.
+
+    `session_header`: `session.session_headers`; `prompt_cache_key`: the body field;
+    `conversation`: the Responses API's conversation id; `previous_response_id`: the session of
+    the response a Responses turn continues; `agent_headers`: `session.agent_session_headers`
+    (Codex CLI, Claude Code, ...); `prefix`: the spec's hash of the stable prompt prefix."""
+
+    SESSION_HEADER = "session_header"
+    PROMPT_CACHE_KEY = "prompt_cache_key"
+    CONVERSATION = "conversation"
+    PREVIOUS_RESPONSE_ID = "previous_response_id"
+    AGENT_HEADERS = "agent_headers"
+    PREFIX = "prefix"
+
+
+DEFAULT_AGENT_SESSION_HEADERS = (
+    "x-claude-code-session-id",  # Claude Code
+    "session-id", "session_id", "conversation_id", "thread-id",  # Codex CLI (newer, then older names)
+    "x-session-affinity", "x-litellm-session-id", "x-dynamo-session-id",
+)
+
+
+class SessionSettings(_Strict):
+    """Who the client is and which conversation a request belongs to (the spec's
+    determine_session_id, with the session signals real clients send). The first identity source
+    in `identity_sources` that is present wins (none: anonymous), then the first signal in
+    `signals` that is present; the session id is a keyed hash of (identity, model, feature class,
+    signal, value)."""
+
+    secret_env: Annotated[str, RESTART_ONLY] = "IRIS_SESSION_SECRET"
+    identity_sources: list[IdentitySource] = Field(default=list(IdentitySource), min_length=0)
+    trusted_identity_headers: list[HeaderName] = []
+    signals: list[SessionSignal] = Field(default=list(SessionSignal), min_length=1)
+    session_headers: list[HeaderName] = ["x-session-id"]
+    agent_session_headers: list[HeaderName] = list(DEFAULT_AGENT_SESSION_HEADERS)
+    completions_prefix_chars: int = Field(default=2048, gt=0)
+
+
+class ServerSettings(_Strict):
+    """The ext_proc gRPC server. Sizes in bytes, durations in seconds.
+
+    Drain on SIGTERM (docs/operations.md "Draining"): the gRPC health service reports NOT_SERVING at once,
+    the server keeps serving for `drain_delay_seconds` (default 3: envoy/envoy.yaml checks every
+    1 s and needs 2 failures, plus one interval of margin) so that Envoy stops sending new
+    streams, then takes no new stream and lets open ones finish within `drain_grace_seconds`."""
+
+    listen: Annotated[str, RESTART_ONLY] = "127.0.0.1:50051"
+    routing_header: Annotated[str, RESTART_ONLY] = "x-iris-cluster"
+    max_body_bytes: int = Field(default=16 * 1024 * 1024, gt=0)
+    drain_delay_seconds: float = Field(default=3.0, ge=0)
+    drain_grace_seconds: float = Field(default=30.0, ge=0)
+    retry_after_seconds: int = Field(default=1, ge=0)
+    expose_routing_headers: bool = False
+    degraded_refresh_seconds: Annotated[float, RESTART_ONLY] = Field(default=1.0, gt=0)
+    decision_timeout_seconds: float = Field(default=2.0, gt=0)
+    metrics_listen: Annotated[str | None, RESTART_ONLY] = None
+    reload_poll_seconds: float = Field(default=1.0, ge=0)  # 0: reload on SIGHUP only
+
+
+DEFAULT_MAX_PINNED_SESSIONS_UNLIMITED = 100_000
+
+
+class Config(_Strict):
+    """The whole gateway configuration. Durations in seconds.
+
+    `max_pinned_sessions_unlimited`: the pin limit of every pair without a configured
+    `max_pinned_sessions` (an unlimited provider's pairs, a managed pair without limits), so
+    Redis memory stays bounded whatever clients send (docs/routing-state.md "Bounded routing state"); null
+    removes the bound. A new session refused a pin only by this cap is routed as a request
+    without a session (extproc.routing.router)."""
+
+    providers: list[Provider] = Field(min_length=1)
+    max_pinned_sessions_unlimited: int | None = Field(default=DEFAULT_MAX_PINNED_SESSIONS_UNLIMITED, ge=1)
+    pin_inactivity_timeout_seconds: float = Field(default=300, gt=0)
+    lease_timeout_seconds: float = Field(default=30, gt=0)
+    max_routing_attempts: int = Field(default=10, ge=1)
+    redis: RedisSettings = RedisSettings()
+    session: SessionSettings = SessionSettings()
+    server: ServerSettings = ServerSettings()
+    adaptation: AdaptationSettings = AdaptationSettings()
+    degradation: DegradationSettings = DegradationSettings()
+    routing: RoutingSettings = RoutingSettings()
+
+    def providers_in_priority_order(self) -> list[Provider]:
+        """The spec's all_providers_in_priority_order(): managed providers first, then unlimited
+        ones, each group in the file's order."""
+        managed = [p for p in self.providers if p.kind is ProviderKind.MANAGED]
+        unlimited = [p for p in self.providers if p.kind is ProviderKind.UNLIMITED]
+        return managed + unlimited
+
+    def providers_for(self, model: str) -> list[Provider]:
+        """The providers serving `model`, in priority order."""
+        return [p for p in self.providers_in_priority_order() if model in p.models]
+
+    def models(self) -> list[str]:
+        """Every model some provider serves, in first-seen order."""
+        return list(dict.fromkeys(m for p in self.providers for m in p.models))
+
+    def pin_limit(self, provider: Provider, model: str) -> tuple[int | None, bool]:
+        """The live pins the pair (provider, model) may hold: (limit or None for none, whether
+        the limit is the `max_pinned_sessions_unlimited` cap rather than the pair's own)."""
+        limits = provider.limits(model)
+        if limits is not None and limits.max_pinned_sessions is not None:
+            return limits.max_pinned_sessions, False
+        return self.max_pinned_sessions_unlimited, self.max_pinned_sessions_unlimited is not None
+
+    def provider(self, name: str) -> Provider:
+        """The provider named `name`. Raises KeyError when there is none."""
+        for p in self.providers:
+            if p.name == name:
+                return p
+        raise KeyError(name)

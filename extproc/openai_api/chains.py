@@ -1,0 +1,132 @@
+"""Responses API chains: which session, and which provider, a stored response belongs to.
+
+A Responses turn that sends `previous_response_id` continues a response stored on the provider
+that produced it; an OpenAI-compatible server that never saw the id answers 404. So when a
+`/v1/responses` answer of a routed request passes, its response id is recorded in Redis:
+
+    {<prefix>:<model>}:response:<keyed hash of identity and response id> -> [session id, provider]
+
+inside the model's hash tag (a Redis Cluster keeps it in the slot of everything else the request
+touches), with a TTL of `pin_inactivity_timeout_seconds + lease_timeout_seconds`: as long as the
+session's pin can live after that answer. The provider is recorded only when the response is
+stored (`store` is not false): a response that is not stored binds the next turn to nothing but
+its session. The key hashes the identity in, so another identity that learned the id finds
+nothing.
+
+The id is read from the response body: the JSON answer's `id`, or the `response.id` of the first
+server-sent event (`response.created`) of a stream. Only `/v1/responses` answers are read
+(the server asks Envoy for their body with a processing-mode override in the response-headers
+answer); other traffic costs nothing more.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import orjson
+from redis.asyncio import Redis
+
+from extproc.config import Config
+from extproc.openai_api.request import keyed_hash
+from extproc.storage.keys import Keyspace
+
+MAX_SCAN_BYTES = 64 * 1024  # a stream whose first event is not complete within this is not read
+
+
+@dataclass(frozen=True, slots=True)
+class ChainLink:
+    """What a response id says: the session it was produced in (None: none) and the provider
+    that stores it (None: not stored, `store: false`)."""
+
+    session_id: str | None
+    provider: str | None
+
+
+class ResponseChains:
+    """The response id -> (session, provider) records in Redis. Raises RedisError."""
+
+    def __init__(self, redis: Redis, config: Config, secret: bytes):
+        self.redis = redis
+        self.keys = Keyspace(config.redis.key_prefix)
+        self.secret = secret
+        self.ttl_ms = round((config.pin_inactivity_timeout_seconds + config.lease_timeout_seconds) * 1000)
+
+    def key(self, model: str, identity: str, response_id: str) -> str:
+        """The record's key: `{prefix:model}:response:<keyed hash>`."""
+        digest = keyed_hash(self.secret, b"response", identity.encode(), response_id.encode())
+        return self.keys.response_chain(model, digest)
+
+    async def lookup(self, model: str, identity: str, response_id: str) -> ChainLink | None:
+        """The record of `response_id` for this identity, or None (unknown, expired, or another
+        identity's)."""
+        raw = await self.redis.get(self.key(model, identity, response_id))
+        if raw is None:
+            return None
+        try:
+            session, provider = orjson.loads(raw)
+        except (orjson.JSONDecodeError, ValueError, TypeError):
+            return None
+        return ChainLink(session or None, provider or None)
+
+    async def record(self, model: str, identity: str, response_id: str, link: ChainLink) -> None:
+        """Remember `response_id` -> `link` for as long as the session's pin can live."""
+        value = orjson.dumps([link.session_id or "", link.provider or ""])
+        await self.redis.set(self.key(model, identity, response_id), value, px=self.ttl_ms)
+
+
+class ResponseIdReader:
+    """Finds the response id in a `/v1/responses` answer body fed chunk by chunk: a JSON object's
+    `id`, or the `response.id` of the first `data:` event of a server-sent event stream. Gives up
+    (`done` with `response_id` None) on anything else or after MAX_SCAN_BYTES."""
+
+    def __init__(self, event_stream: bool):
+        self.event_stream = event_stream
+        self.buffer = bytearray()
+        self.done = False
+        self.response_id: str | None = None
+
+    def feed(self, chunk: bytes, end_of_stream: bool) -> str | None:
+        """Add a chunk; returns the response id once it is found (then `done` is set)."""
+        if self.done:
+            return None
+        self.buffer += chunk
+        if self.event_stream:
+            self._scan_events()
+        elif end_of_stream:
+            self._finish(_json_id(bytes(self.buffer)))
+        if not self.done and (end_of_stream or len(self.buffer) > MAX_SCAN_BYTES):
+            self._finish(None)
+        return self.response_id
+
+    def _scan_events(self) -> None:
+        text = bytes(self.buffer).replace(b"\r\n", b"\n")
+        while b"\n\n" in text:
+            event, text = text.split(b"\n\n", 1)
+            data = b"\n".join(line[5:].lstrip() for line in event.split(b"\n") if line.startswith(b"data:"))
+            if not data:
+                continue
+            try:
+                payload = orjson.loads(data)
+            except orjson.JSONDecodeError:
+                self._finish(None)
+                return
+            response = payload.get("response") if isinstance(payload, dict) else None
+            self._finish(_string(response.get("id")) if isinstance(response, dict) else None)
+            return
+
+    def _finish(self, response_id: str | None) -> None:
+        self.done = True
+        self.response_id = response_id
+        self.buffer.clear()
+
+
+def _json_id(body: bytes) -> str | None:
+    try:
+        payload = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    return _string(payload.get("id")) if isinstance(payload, dict) else None
+
+
+def _string(value: object) -> str | None:
+    return value if isinstance(value, str) and 0 < len(value) <= 512 else None

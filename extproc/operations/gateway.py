@@ -1,0 +1,244 @@
+"""The runner: wires every part of the ext_proc server in one place (`Gateway`), starts it, and
+runs it until SIGTERM or SIGINT (`serve`), then drains.
+
+Background loops (extproc.supervision): the degraded-flag refresh, the instance heartbeat (which
+also watches the routing state's epoch) and, while the Redis breaker is open, the Redis probe.
+The drain sequence is docs/operations.md "Draining".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import time
+
+import grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
+from grpc_health.v1 import health as grpc_health
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from redis.exceptions import RedisError
+
+from extproc import metrics
+from extproc.config import Config
+from extproc.operations import exporter, grpc_logs
+from extproc.operations.fleet_state import CachedFleetState, FleetStateReader, on_loop
+from extproc.operations.health import HealthMonitor
+from extproc.operations.reload import ConfigReloader
+from extproc.protocol.live import build_live
+from extproc.protocol.stream import ExternalProcessor
+from extproc.routing.degraded import DegradedFlags
+from extproc.routing.lease_table import LeaseTable
+from extproc.routing.outage import InstanceRegistry, OutagePolicy, RedisBreaker
+from extproc.storage.client import open_redis
+from extproc.supervision import run_every
+
+log = logging.getLogger(__name__)
+
+GRPC_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# The services grpc.health.v1.Health reports on: the whole server ("") and the one Envoy uses.
+EXT_PROC_SERVICE = external_processor_pb2.DESCRIPTOR.services_by_name["ExternalProcessor"].full_name
+HEALTH_SERVICES = ("", EXT_PROC_SERVICE)
+
+
+class SecretMissing(RuntimeError):
+    """The session secret's environment variable is not set."""
+
+
+def session_secret(config: Config) -> bytes:
+    """The key of the session-id hash, from the environment variable the config names. Raises
+    SecretMissing: every proxy instance must share the same secret, so none is invented."""
+    value = os.environ.get(config.session.secret_env)
+    if not value:
+        raise SecretMissing(f"set {config.session.secret_env} to the session secret shared by every proxy instance")
+    return value.encode()
+
+
+class Gateway:
+    """The running server, wired in one place: the Redis client, the degraded flags, the live
+    routing config, the lease table with its outage policy and breaker, the health monitor, the
+    stream loop (extproc.protocol.stream) and the gRPC server with its health service. It is the
+    ConfigReceiver of extproc.operations.reload. Use `serve()`."""
+
+    def __init__(self, config: Config, secret: bytes):
+        self.config = config
+        self.redis = open_redis(config.redis)
+        self.secret = secret
+        self.degraded = DegradedFlags(self.redis, config)
+        live = build_live(config, self.redis, self.degraded, secret)
+        self.registry = InstanceRegistry(self.redis, config.redis.key_prefix, ttl_seconds=config.redis.instance_heartbeat_seconds * 5)
+        self.breaker = RedisBreaker(self.redis, config.redis.breaker_failures_in_a_row)
+        self.outage = OutagePolicy(config, live.router, self.registry)
+        self.leases = LeaseTable(config, live.state, live.router, self.outage, self.breaker)
+        self.health = HealthMonitor(config, self.redis, self.degraded)
+        self.processor = ExternalProcessor(live, self.leases, self.breaker, observer=self.health)
+        self._retired_monitors: set[asyncio.Task] = set()
+        self.fleet_reader: FleetStateReader | None = None  # the metrics' reader, when metrics are served
+        self.server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", GRPC_MAX_MESSAGE_BYTES),
+                ("grpc.so_reuseport", 1),  # `serve --workers N` shares the port (grpcio's default on Linux)
+            ]
+        )
+        ext_proc_grpc.add_ExternalProcessorServicer_to_server(self.processor, self.server)
+        self.serving = grpc_health.aio.HealthServicer()
+        self.draining = False
+        health_pb2_grpc.add_HealthServicer_to_server(self.serving, self.server)
+        self.port = self.server.add_insecure_port(config.server.listen)
+        self._background: list[asyncio.Task] = []
+
+    async def start(self) -> None:
+        """Load scripts and flags when Redis is there (it may come later), start serving."""
+        self.leases.start()
+        try:
+            await self.leases.state.load_scripts()
+            await self.leases.refresh_epoch()
+            await self.degraded.refresh()
+        except RedisError as exc:
+            log.warning("redis not reachable at start-up, continuing: %s", exc)
+        # Supervised (extproc.supervision): a step that raises is restarted, counted and logged.
+        redis = self.config.redis
+        self._background += [
+            asyncio.create_task(self.degraded.run_refresher(self.config.server.degraded_refresh_seconds)),
+            asyncio.create_task(run_every("heartbeat", self._heartbeat_once, redis.instance_heartbeat_seconds)),
+            asyncio.create_task(run_every("redis_probe", self._probe_once, redis.probe_interval_seconds)),
+        ]
+        self.health.start()
+        for service in HEALTH_SERVICES:
+            await self.serving.set(service, health_pb2.HealthCheckResponse.SERVING)
+        await self.server.start()
+        log.info("ext_proc server listening on %s", self.config.server.listen)
+
+    async def _heartbeat_once(self) -> None:
+        """Keep this instance registered, so every instance knows the live count, and watch the
+        routing state's epoch (a change adopts every lease held: extproc.routing.lease_table)."""
+        try:
+            await self.registry.heartbeat()
+            if not self.breaker.is_open:
+                await self.leases.refresh_epoch()
+            self.breaker.record_success()
+        except RedisError as exc:
+            metrics.REDIS_ERRORS.labels("heartbeat").inc()
+            self.breaker.record_failure(exc)
+
+    async def _probe_once(self) -> None:
+        """While the breaker is open, probe Redis; when it answers, the lease table adopts what
+        is held and shared routing resumes (scripts reload by themselves on NOSCRIPT)."""
+        if not self.breaker.is_open or not await self.breaker.probe():
+            return
+        try:
+            await self.degraded.refresh()
+            adopted = await self.leases.recover()
+        except RedisError:
+            return
+        log.info("shared routing resumed; %d local leases adopted into Redis", adopted)
+
+    def apply_config(self, new: Config) -> None:
+        """ConfigReceiver: build everything `new` needs (API keys read), then swap it in without
+        awaiting, so no stream sees half of it. The live config goes to the stream loop; the lease
+        table decides with the new state and router (every lease it holds renews, adopts and
+        releases through the state it was admitted with); the degraded flags and the outage policy
+        are reconfigured in place; the health monitor is replaced only when its checks changed;
+        the metrics' fleet-state reader reads the new pairs. Raises CredentialError (nothing
+        swapped)."""
+        live = build_live(new, self.redis, self.degraded, self.secret)
+        old, self.config = self.config, new
+        self.processor.apply(live)
+        self.leases.reconfigure(new, live.state, live.router)
+        self.degraded.reconfigure(new)
+        self.outage.reconfigure(new, live.router)
+        if self.fleet_reader is not None:
+            self.fleet_reader.reconfigure(new)
+        if _health_inputs(old) != _health_inputs(new):
+            self.replace_health_monitor(new)
+
+    def replace_health_monitor(self, config: Config) -> None:
+        """Start a HealthMonitor for `config` and stop the running one."""
+        old, self.health = self.health, HealthMonitor(config, self.redis, self.degraded)
+        self.processor.observer = self.health
+        self.health.start()
+        task = asyncio.get_running_loop().create_task(old.close())
+        self._retired_monitors.add(task)
+        task.add_done_callback(self._retired_monitors.discard)
+
+    async def drain(self, delay_seconds: float | None = None) -> None:
+        """The drain sequence (docs/operations.md "Draining"): report NOT_SERVING on grpc.health.v1.Health,
+        keep serving for `delay_seconds` (default `server.drain_delay_seconds`) while Envoy's
+        health check takes this server out of rotation, then take no new stream and let open ones
+        finish within `server.drain_grace_seconds` (both seconds), release what is left, close
+        Redis."""
+        self.draining = True
+        settings = self.config.server
+        delay = settings.drain_delay_seconds if delay_seconds is None else delay_seconds
+        log.info("draining: NOT_SERVING, still taking streams for %s s", delay)
+        await self.serving.enter_graceful_shutdown()
+        await asyncio.sleep(delay)
+        log.info("draining: no new streams, up to %s s for open ones", settings.drain_grace_seconds)
+        await self.server.stop(settings.drain_grace_seconds)
+        await self.leases.drain()
+        await self.health.close()
+        for task in self._background:
+            task.cancel()
+        try:
+            await self.registry.leave()
+        except RedisError:
+            pass
+        await self.redis.aclose()
+
+
+def _health_inputs(config: Config) -> tuple:
+    """What the HealthMonitor is built from: a monitor is replaced only when this changes."""
+    providers = tuple(
+        (p.name, p.kind, p.health_check, p.load, tuple((m, e.upstream_model) for m, e in p.models.items())) for p in config.providers
+    )
+    return providers, config.degradation, config.redis.key_prefix
+
+
+async def serve(config: Config, config_path: str | None = None, envoy_path: str | None = None) -> None:
+    """Run the ext_proc server until SIGTERM or SIGINT, then drain and return. With `config_path`
+    (the file `config` was read from) the routing config is reloaded on SIGHUP and when the file
+    changes (extproc.operations.reload), checked against `envoy_path` when given.
+
+    Raises SecretMissing, adaptation.CredentialError."""
+    grpc_logs.quiet_peer_gone_errors()
+    gateway = Gateway(config, session_secret(config))
+    await gateway.start()
+    try:
+        await _serve_started(gateway, config, config_path, envoy_path)
+    except BaseException:
+        # A failure after start (say, the metrics port taken) must not leave the gRPC server and
+        # background tasks running: the process would never exit.
+        if not gateway.draining:
+            await asyncio.shield(gateway.drain(delay_seconds=0))
+        raise
+
+
+async def _serve_started(gateway: Gateway, config: Config, config_path: str | None, envoy_path: str | None) -> None:
+    """`serve` once the gateway runs: signals, reload, metrics, then the drain on SIGTERM."""
+    metrics.CONFIG_LAST_SUCCESS.set(time.time())
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    metrics_server = None
+    watcher = None
+    if config_path is not None:
+        reloader = ConfigReloader(gateway, config_path, envoy_path)
+        loop.add_signal_handler(signal.SIGHUP, reloader.request)
+        watcher = asyncio.create_task(reloader.run_forever())
+    if config.server.metrics_listen:
+        # Reads at most one a second, on this loop; a scrape waits for it in the metrics thread.
+        gateway.fleet_reader = FleetStateReader(config, gateway.redis)
+        read = on_loop(gateway.fleet_reader, loop, 2 * config.redis.socket_timeout_seconds + 1)
+        fleet = CachedFleetState(read)
+        metrics_server, _ = exporter.start_metrics_server(config.server.metrics_listen, fleet, lambda: gateway.breaker.is_open)
+        log.info("metrics on http://%s/metrics", config.server.metrics_listen)
+    await stop.wait()
+    if watcher is not None:
+        watcher.cancel()
+    await gateway.drain()
+    if metrics_server is not None:
+        metrics_server.shutdown()

@@ -1,0 +1,342 @@
+"""Automatic degradation of managed providers: active health checks, passive failure counting
+and a load gauge. Every ext_proc instance runs them; the state lives in Redis as degraded flags
+(extproc.routing.degraded), one source each, so every instance routes by the same flags within one
+refresh interval and one source never clears another's (nor an operator's drain).
+
+- Active (`health`): a GET of the provider's `health_check.url` every `interval_seconds`. After
+  `failures_before_degraded` failures in a row this instance sets the provider's health flag on
+  every model, renewing it at every check while it fails, with a TTL of `flag_ttl_intervals`
+  intervals (or timeouts, if longer): a checker that dies stops renewing and the flag expires. After
+  `successes_before_healthy` successes in a row this instance clears it. A provider is degraded
+  while any instance sees it failing.
+- Passive (`passive`): an upstream 5xx answer (Envoy answers 503 itself on a connection failure
+  or a reset before the response headers) is recorded in the pair's sliding window in Redis, over
+  every instance (lua/upstream_failure.lua, one round trip per failure, none per success). When
+  the window holds `degradation.passive.failures`, the pair is degraded for `cooldown_seconds`.
+- Load (`load`): a gauge read from the provider's Prometheus endpoint; over `threshold` the
+  pair is degraded until the gauge is back at or below `recover_below`.
+- Connect (`connect`): a request whose connection the provider refused or reset before the
+  response headers degrades its pair at once for `degradation.connect.ttl_seconds`, so the
+  session's next turn repins instead of meeting the same dead provider until the active check
+  notices. The pair's next 2xx response or a healthy check of the provider clears it.
+
+Unlimited providers are never degraded (the spec): they get no checks and no failure counting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from urllib.parse import urlsplit, urlunsplit
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from extproc import metrics
+from extproc.config import Config, HealthCheck, LoadGauge, Provider, ProviderKind
+from extproc.routing.degraded import CONNECT, HEALTH, LOAD, PASSIVE, DegradedFlags
+from extproc.routing.state import script_source
+from extproc.storage.client import LuaScript
+from extproc.storage.keys import Keyspace
+from extproc.supervision import run_every
+
+log = logging.getLogger(__name__)
+
+# Passive failure recording: one queue of this many failures, drained by this many writers, so a
+# burst of 5xx costs a bounded amount of memory and of Redis connections beside the hot path.
+PASSIVE_QUEUE_SIZE = 1024
+PASSIVE_WRITERS = 2
+
+
+class Streak:
+    """Consecutive check results of one provider: degraded after `failures_before_degraded`
+    failures in a row, healthy again after `successes_before_healthy` successes in a row."""
+
+    def __init__(self, failures_before_degraded: int, successes_before_healthy: int):
+        self.failures_before_degraded = failures_before_degraded
+        self.successes_before_healthy = successes_before_healthy
+        self.degraded = False
+        self.failures = 0
+        self.successes = 0
+
+    def record(self, ok: bool) -> bool:
+        """Count one result; returns whether the provider is degraded now."""
+        if ok:
+            self.successes, self.failures = self.successes + 1, 0
+            if self.degraded and self.successes >= self.successes_before_healthy:
+                self.degraded = False
+        else:
+            self.failures, self.successes = self.failures + 1, 0
+            if self.failures >= self.failures_before_degraded:
+                self.degraded = True
+        return self.degraded
+
+
+def gauge_values(text: str, gauge: LoadGauge, upstream_names: dict[str, str]) -> dict[str, float]:
+    """Per model, the gauge read from a Prometheus text exposition: the sum of the samples named
+    `gauge.metric`, or with `gauge.model_label`, of those whose label equals the model's
+    upstream name (`upstream_names`: model -> upstream name). A model without samples reads 0.
+    Raises ValueError for text that does not parse."""
+    total = 0.0
+    by_label: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name != gauge.metric:
+                continue
+            total += sample.value
+            if gauge.model_label is not None:
+                label = sample.labels.get(gauge.model_label)
+                if label is not None:
+                    by_label[label] = by_label.get(label, 0.0) + sample.value
+    if gauge.model_label is None:
+        return {model: total for model in upstream_names}
+    return {model: by_label.get(name, 0.0) for model, name in upstream_names.items()}
+
+
+def over_threshold(value: float, was_over: bool, threshold: float, recover_below: float) -> bool:
+    """Whether a load gauge reading keeps (or puts) its pair degraded: above `threshold`, or
+    still above `recover_below` after being over (hysteresis)."""
+    return value > threshold or (was_over and value > recover_below)
+
+
+def display_url(url: str) -> str:
+    """`url` without user info and query, for reasons and logs (they may hold secrets)."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    if parts.port:
+        host = f"{host}:{parts.port}"
+    return urlunsplit((parts.scheme, host, parts.path, "", ""))
+
+
+class HealthMonitor:
+    """The automatic degradation sources of one ext_proc instance. `start()` begins the active
+    and load checks, `observe()` feeds the passive one, `close()` stops everything."""
+
+    def __init__(self, config: Config, redis: Redis, flags: DegradedFlags):
+        self.config = config
+        self.redis = redis
+        self.flags = flags
+        self.keys = Keyspace(config.redis.key_prefix)
+        self.passive = config.degradation.passive
+        self._ttl_intervals = config.degradation.flag_ttl_intervals
+        self._record = LuaScript(script_source("upstream_failure"))
+        self._managed = {p.name for p in config.providers if p.kind is ProviderKind.MANAGED}
+        self._tasks: set[asyncio.Task] = set()
+        self._http: aiohttp.ClientSession | None = None
+        self._failures: asyncio.Queue[tuple[str, str, str]] = asyncio.Queue(maxsize=PASSIVE_QUEUE_SIZE)
+
+    def start(self) -> None:
+        """Start the passive check's writers and one supervised task per configured health
+        check and load gauge (managed providers only), each restarted after any exception
+        (extproc.supervision)."""
+        if self.passive.enabled and self._managed:
+            for i in range(PASSIVE_WRITERS):
+                self._spawn(run_every(f"passive_writer_{i}", self._write_one_failure, 0))
+        checks = [p for p in self.config.providers if p.name in self._managed and (p.health_check or p.load)]
+        if not checks:
+            return
+        # A fresh connection per probe: a probe also checks that the provider accepts connections.
+        self._http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))
+        for provider in checks:
+            if provider.health_check is not None:
+                check = _HealthCheckTask(self, provider, provider.health_check)
+                interval = provider.health_check.interval_seconds
+                # Backoff at most one interval: a restarted check renews the flag before its TTL.
+                self._spawn(run_every(f"health:{provider.name}", check.step, interval, max_backoff_seconds=interval))
+            if provider.load is not None:
+                gauge = _LoadGaugeTask(self, provider, provider.load)
+                interval = provider.load.interval_seconds
+                self._spawn(run_every(f"load:{provider.name}", gauge.step, interval, max_backoff_seconds=interval))
+
+    async def close(self) -> None:
+        """Stop the checks and any failure still being recorded (a lost record only delays a
+        degradation)."""
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._http is not None:
+            await self._http.close()
+
+    def observe(self, provider: Provider, model: str, status: int | None) -> None:
+        """Passive check: the response status of a request sent to (provider, model), or None
+        when the stream ended without response headers. A 5xx is queued for the writers (the
+        response is never delayed); with the queue full it is dropped and counted in
+        iris_upstream_failures_dropped_total. Anything else is ignored."""
+        if status is None or status < 500 or not self.passive.enabled or provider.name not in self._managed:
+            return
+        metrics.UPSTREAM_FAILURES.labels(provider.name, model).inc()
+        try:
+            self._failures.put_nowait((provider.name, model, f"status {status}"))
+        except asyncio.QueueFull:
+            metrics.FAILURES_DROPPED.inc()
+
+    async def _write_one_failure(self) -> None:
+        provider, model, what = await self._failures.get()
+        await self.record_failure(provider, model, what)
+
+    async def connection_failed(self, provider: Provider, model: str, what: str) -> None:
+        """Connect source: Envoy could not reach (provider, model) (connection refused or reset
+        before the response headers; `what` is Envoy's response code details). Degrades the
+        pair at once, in Redis and in this instance's snapshot, so the next decision here avoids
+        it; every other instance sees it at its next refresh. Awaited by the caller (one Redis
+        round trip on a failed request only); a Redis error is logged, never raised."""
+        connect = self.config.degradation.connect
+        if not connect.enabled or provider.name not in self._managed:
+            return
+        reason = f"connect: {what[:200]}"
+        try:
+            await self.flags.set(provider.name, model, reason, connect.ttl_seconds, CONNECT)
+        except RedisError as exc:
+            log.warning("connect failure of %s %s not recorded: %s", provider.name, model, exc)
+            return
+        metrics.DEGRADATIONS.labels(provider.name, CONNECT).inc()
+        log.warning("%s %s degraded for %g s: %s", provider.name, model, connect.ttl_seconds, reason)
+
+    def succeeded(self, provider: Provider, model: str) -> None:
+        """A 2xx response of (provider, model): clears the pair's connect flag if this instance's
+        snapshot holds one (in the background; nothing is sent to Redis otherwise)."""
+        if CONNECT in self.flags.flags(provider.name, model):
+            self._spawn(self._clear_connect([(provider.name, model)]))
+
+    async def _clear_connect(self, pairs: list[tuple[str, str]]) -> None:
+        try:
+            await self.flags.clear_many(pairs, CONNECT)
+        except RedisError as exc:
+            log.warning("connect flag of %s not cleared: %s", pairs, exc)
+
+    async def record_failure(self, provider: str, model: str, what: str) -> bool:
+        """Record one failure of the pair in Redis; returns whether it degraded the pair.
+        A Redis error is logged and answered False (a lost observation only delays detection)."""
+        passive = self.passive
+        reason = f"passive: {passive.failures} upstream failures within {passive.window_seconds:g} s (last: {what})"
+        keys = [self.keys.upstream_failures(model, provider), self.keys.degraded(model, provider, PASSIVE)]
+        args = [uuid.uuid4().hex, round(passive.window_seconds * 1000), passive.failures,
+                round(passive.cooldown_seconds * 1000), reason]
+        try:
+            degraded, _ = await self._record(self.redis, keys, args)
+        except RedisError as exc:
+            log.warning("upstream failure of %s %s not recorded: %s", provider, model, exc)
+            return False
+        if degraded:
+            metrics.DEGRADATIONS.labels(provider, PASSIVE).inc()
+            log.warning("%s %s degraded for %g s: %s", provider, model, passive.cooldown_seconds, reason)
+            try:
+                await self.flags.refresh()  # this instance avoids it at once, not at the next tick
+            except RedisError:
+                pass
+        return bool(degraded)
+
+    def _spawn(self, coroutine) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _probe(self, url: str, shown: str, timeout_seconds: float) -> tuple[bool, str]:
+        try:
+            timeout = aiohttp.ClientTimeout(total=timeout_seconds)
+            async with self._http.get(url, timeout=timeout, allow_redirects=False) as response:
+                return 200 <= response.status < 300, f"GET {shown} -> {response.status}"
+        except asyncio.TimeoutError:
+            return False, f"GET {shown}: no answer within {timeout_seconds:g} s"
+        except aiohttp.ClientError as exc:
+            return False, f"GET {shown}: {type(exc).__name__}"
+
+
+class _HealthCheckTask:
+    """One provider's active health check; `step()` is one probe and its effect on the flag.
+    The streak lives here, so a step restarted after an exception keeps it (and the flag)."""
+
+    def __init__(self, monitor: HealthMonitor, provider: Provider, check: HealthCheck):
+        self.monitor = monitor
+        self.provider = provider
+        self.check = check
+        self.streak = Streak(check.failures_before_degraded, check.successes_before_healthy)
+        self.pairs = monitor.flags.pairs(provider.name)
+        # A failing probe may take its whole timeout: the TTL covers the longer of the two.
+        self.ttl = max(check.interval_seconds, check.timeout_seconds) * monitor._ttl_intervals
+        self.url = display_url(check.url)
+        self.last_failure = ""
+        self.must_clear = False
+
+    async def step(self) -> None:
+        check, streak, name = self.check, self.streak, self.provider.name
+        ok, detail = await self.monitor._probe(check.url, self.url, check.timeout_seconds)
+        metrics.HEALTH_CHECKS.labels(name, "ok" if ok else "failed").inc()
+        was_degraded = streak.degraded
+        if not ok:
+            self.last_failure = detail
+        try:
+            if streak.record(ok):
+                if ok:
+                    reason = (f"health: recovering, {streak.successes} of {check.successes_before_healthy} "
+                              f"successes (last failure: {self.last_failure})")
+                else:
+                    reason = f"health: {detail} ({streak.failures} failures in a row)"
+                await self.monitor.flags.set_many(self.pairs, reason, self.ttl, HEALTH)
+                if not was_degraded:
+                    metrics.DEGRADATIONS.labels(name, HEALTH).inc()
+                    log.warning("%s degraded: %s", name, reason)
+            elif was_degraded or self.must_clear:
+                self.must_clear = True
+                await self.monitor.flags.clear_many(self.pairs, HEALTH)
+                self.must_clear = False
+                log.warning("%s healthy again: %s", name, detail)
+            if ok and (connected := [pair for pair in self.pairs if CONNECT in self.monitor.flags.flags(*pair)]):
+                await self.monitor.flags.clear_many(connected, CONNECT)
+        except RedisError as exc:
+            log.warning("health state of %s not written: %s", name, exc)
+
+
+class _LoadGaugeTask:
+    """One provider's load gauge; `step()` is one reading and its effect on the flags."""
+
+    def __init__(self, monitor: HealthMonitor, provider: Provider, gauge: LoadGauge):
+        self.monitor = monitor
+        self.provider = provider
+        self.gauge = gauge
+        self.upstream_names = {model: entry.upstream_model or model for model, entry in provider.models.items()}
+        self.recover_below = gauge.threshold if gauge.recover_below is None else gauge.recover_below
+        self.ttl = max(gauge.interval_seconds, gauge.timeout_seconds) * monitor._ttl_intervals
+        self.url = display_url(gauge.url)
+        self.over: dict[str, bool] = {}
+        self.reachable = True
+
+    async def step(self) -> None:
+        gauge, name = self.gauge, self.provider.name
+        try:
+            timeout = aiohttp.ClientTimeout(total=gauge.timeout_seconds)
+            async with self.monitor._http.get(gauge.url, timeout=timeout, allow_redirects=False) as response:
+                response.raise_for_status()
+                text = await response.text()
+            values = gauge_values(text, gauge, self.upstream_names)
+            self.reachable = True
+        except (asyncio.TimeoutError, aiohttp.ClientError, ValueError) as exc:
+            # Unknown load: renew nothing, so a held flag expires within its TTL.
+            if self.reachable:
+                log.warning("load of %s not read from %s: %s", name, self.url, type(exc).__name__)
+            self.reachable = False
+            values = {}
+        for model, value in values.items():
+            try:
+                await self._apply(model, value)
+            except RedisError as exc:
+                log.warning("load state of %s not written: %s", name, exc)
+
+    async def _apply(self, model: str, value: float) -> None:
+        gauge, name, over = self.gauge, self.provider.name, self.over
+        if over_threshold(value, over.get(model, False), gauge.threshold, self.recover_below):
+            reason = f"load: {gauge.metric}={value:g} (degraded above {gauge.threshold:g}"
+            reason += f", until <= {self.recover_below:g})" if self.recover_below != gauge.threshold else ")"
+            await self.monitor.flags.set(name, model, reason, self.ttl, LOAD)
+            if not over.get(model):
+                metrics.DEGRADATIONS.labels(name, LOAD).inc()
+                log.warning("%s %s degraded: %s", name, model, reason)
+            over[model] = True
+        elif over.get(model):
+            await self.monitor.flags.clear(name, model, LOAD)
+            over[model] = False
+            log.warning("%s %s load back to %g", name, model, value)

@@ -1,0 +1,218 @@
+"""Building Envoy ext_proc ProcessingResponse messages (upb-backed types from xds-protos).
+
+Names follow Envoy's API: CommonResponse, HeaderMutation, ImmediateResponse. See
+envoy/service/ext_proc/v3/external_processor.proto.
+"""
+
+from __future__ import annotations
+
+import orjson
+from envoy.config.core.v3.base_pb2 import HeaderValue, HeaderValueOption
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
+from envoy.service.ext_proc.v3.external_processor_pb2 import (
+    BodyResponse,
+    CommonResponse,
+    HeaderMutation,
+    HeadersResponse,
+    HttpHeaders,
+    ImmediateResponse,
+    ProcessingRequest,
+    ProcessingResponse,
+    TrailersResponse,
+)
+from envoy.type.v3.http_status_pb2 import HttpStatus
+
+_OVERWRITE = HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+
+METADATA_NAMESPACE = "iris.routing"
+"""The dynamic metadata namespace of the router's answers (envoy/envoy.yaml accepts it in the
+ext_proc filter's metadata_options.receiving_namespaces and prints it in the access log)."""
+
+# The closed set of `code` values a client can get from the gateway itself: the router's answers
+# (extproc) and Envoy's local replies (envoy/envoy.yaml local_reply_config, the route's
+# direct_response). A provider's own error answers pass through as the provider wrote them.
+ROUTER_ERROR_CODES = frozenset({
+    "unknown_url", "method_not_allowed", "missing_body", "invalid_header", "request_too_large", "invalid_json",
+    "missing_model", "invalid_type", "model_not_found", "unsupported_feature", "capacity_exceeded",
+    "routing_overloaded", "no_provider_available", "routing_unavailable", "previous_response_unavailable", "internal_error",
+})
+ENVOY_ERROR_CODES = frozenset({
+    "request_too_large", "headers_too_large", "request_timeout", "upstream_timeout", "upstream_unavailable",
+    "internal_error", "invalid_request", "no_route",
+})
+CLIENT_ERROR_CODES = ROUTER_ERROR_CODES | ENVOY_ERROR_CODES
+
+EXT_PROC_ATTRIBUTES = "envoy.filters.http.ext_proc"
+# Envoy's response flags as the `response.flags` attribute gives them (bit i = CoreResponseFlag i,
+# envoy/stream_info/stream_info.h): UR, UF, UC. UO (overflow) is Envoy's own limit, not the provider.
+UPSTREAM_REMOTE_RESET = 1 << 4
+UPSTREAM_CONNECTION_FAILURE = 1 << 5
+UPSTREAM_CONNECTION_TERMINATION = 1 << 6
+_UNREACHABLE = UPSTREAM_REMOTE_RESET | UPSTREAM_CONNECTION_FAILURE | UPSTREAM_CONNECTION_TERMINATION
+
+
+def header_map(headers: HttpHeaders) -> dict[str, str]:
+    """The headers of a ProcessingRequest phase as a dict of lowercase name -> value. Envoy sends
+    values in `raw_value` (bytes); invalid UTF-8 is replaced, never raised."""
+    out = {}
+    for header in headers.headers.headers:
+        value = header.raw_value.decode("utf-8", "replace") if header.raw_value else header.value
+        out[header.key.lower()] = value
+    return out
+
+
+def header_value(headers: HttpHeaders, name: str) -> str | None:
+    """The value of header `name` (lowercase) of a ProcessingRequest phase, or None; the first
+    one when repeated. Reads only up to that header, where `header_map` decodes them all."""
+    for header in headers.headers.headers:
+        if header.key == name or header.key.lower() == name:
+            return header.raw_value.decode("utf-8", "replace") if header.raw_value else header.value
+    return None
+
+
+def upstream_unreachable(request: ProcessingRequest) -> str | None:
+    """For a response-headers message: Envoy's response code details (for example
+    `upstream_reset_before_response_started{remote_connection_failure|...}`) when the answer is
+    Envoy's own because the provider refused the connection or reset it before the response
+    headers; None for a provider's own answer. Reads the `response.flags` and
+    `response.code_details` attributes that envoy/envoy.yaml asks for (`response_attributes`)."""
+    attributes = request.attributes.get(EXT_PROC_ATTRIBUTES)
+    if attributes is None:
+        return None
+    fields = attributes.fields
+    flags = int(fields["response.flags"].number_value) if "response.flags" in fields else 0
+    details = fields["response.code_details"].string_value if "response.code_details" in fields else ""
+    if flags & _UNREACHABLE and details.startswith("upstream_reset_before_response_started"):
+        return details
+    return None
+
+
+def header_mutation(set_headers: dict[str, str] | None = None, remove: list[str] | None = None) -> HeaderMutation:
+    """A HeaderMutation that overwrites `set_headers` and removes `remove`."""
+    return HeaderMutation(
+        set_headers=[
+            HeaderValueOption(header=HeaderValue(key=k, raw_value=v.encode()), append_action=_OVERWRITE)
+            for k, v in (set_headers or {}).items()
+        ],
+        remove_headers=remove or [],
+    )
+
+
+def continue_request_headers(remove: list[str]) -> ProcessingResponse:
+    """Let the request headers through, removing `remove` (the routing header a client may send)."""
+    common = CommonResponse(header_mutation=header_mutation(remove=remove)) if remove else CommonResponse()
+    return ProcessingResponse(request_headers=HeadersResponse(response=common))
+
+
+def with_metadata(response: ProcessingResponse, metadata: dict[str, str | float] | None) -> ProcessingResponse:
+    """`response` carrying `metadata` (string or number values) as Envoy dynamic metadata in
+    METADATA_NAMESPACE, for the access log: `%DYNAMIC_METADATA(iris.routing:provider)%`."""
+    if metadata:
+        fields = response.dynamic_metadata.fields[METADATA_NAMESPACE].struct_value.fields
+        for key, value in metadata.items():  # field by field: faster than Struct.update
+            if isinstance(value, str):
+                fields[key].string_value = value
+            else:
+                fields[key].number_value = value
+    return response
+
+
+def route_to_cluster(
+    routing_header: str, cluster: str, extra_headers: dict[str, str] | None = None, remove: list[str] | None = None,
+    body: bytes | None = None, metadata: dict[str, str | float] | None = None,
+) -> ProcessingResponse:
+    """The request-body answer that routes: set `routing_header` to `cluster` and clear the route
+    cache in the same CommonResponse, so Envoy re-matches the route with `cluster_header`
+    (a clear without a header mutation in the same response is ignored: see the notes).
+    A replaced `body` gets its content-length set in the same mutation, as Envoy requires.
+    `metadata`: see `with_metadata`."""
+    headers = {routing_header: cluster, **(extra_headers or {})}
+    common = CommonResponse(clear_route_cache=True)
+    if body is not None:
+        headers["content-length"] = str(len(body))
+        common.body_mutation.body = body
+    common.header_mutation.CopyFrom(header_mutation(headers, remove))
+    return with_metadata(ProcessingResponse(request_body=BodyResponse(response=common)), metadata)
+
+
+def continue_response_headers(
+    extra_headers: dict[str, str] | None = None, read_body: str | None = None
+) -> ProcessingResponse:
+    """Let the response headers through, adding `extra_headers` if any. `read_body` ("BUFFERED"
+    or "STREAMED") asks Envoy to send this response's body too, by a mode override that keeps
+    every other phase as envoy/envoy.yaml configures it (and that its allowed_override_modes
+    lists): only /v1/responses answers pay for that (extproc.openai_api.chains)."""
+    common = CommonResponse(header_mutation=header_mutation(extra_headers)) if extra_headers else CommonResponse()
+    response = ProcessingResponse(response_headers=HeadersResponse(response=common))
+    if read_body is not None:
+        response.mode_override.CopyFrom(processing_mode(read_body))
+    return response
+
+
+def processing_mode(response_body_mode: str) -> ProcessingMode:
+    """envoy/envoy.yaml's processing mode with another response body mode."""
+    return ProcessingMode(
+        request_header_mode=ProcessingMode.SEND,
+        request_body_mode=ProcessingMode.BUFFERED,
+        request_trailer_mode=ProcessingMode.SKIP,
+        response_header_mode=ProcessingMode.SEND,
+        response_body_mode=ProcessingMode.BodySendMode.Value(response_body_mode),
+        response_trailer_mode=ProcessingMode.SEND,
+    )
+
+
+def continue_request_body() -> ProcessingResponse:
+    return ProcessingResponse(request_body=BodyResponse(response=CommonResponse()))
+
+
+def continue_response_body() -> ProcessingResponse:
+    return ProcessingResponse(response_body=BodyResponse(response=CommonResponse()))
+
+
+def continue_request_trailers() -> ProcessingResponse:
+    return ProcessingResponse(request_trailers=TrailersResponse())
+
+
+def continue_response_trailers() -> ProcessingResponse:
+    return ProcessingResponse(response_trailers=TrailersResponse())
+
+
+def openai_error_body(message: str, error_type: str, code: str, param: str | None = None) -> bytes:
+    """An OpenAI-style error: {"error": {"message", "type", "param", "code"}}."""
+    return orjson.dumps({"error": {"message": message, "type": error_type, "param": param, "code": code}})
+
+
+def model_list_body(models: list[str], created: int) -> bytes:
+    """OpenAI's `GET /v1/models` answer: {"object": "list", "data": [{"id", "object": "model",
+    "created" (unix seconds), "owned_by"}]}."""
+    data = [{"id": model, "object": "model", "created": created, "owned_by": "iris"} for model in models]
+    return orjson.dumps({"object": "list", "data": data})
+
+
+def model_body(model: str, model_list: bytes) -> bytes:
+    """One entry of `model_list` (a model_list_body answer): `GET /v1/models/<model>`."""
+    return orjson.dumps(next(entry for entry in orjson.loads(model_list)["data"] if entry["id"] == model))
+
+
+def internal_error() -> ProcessingResponse:
+    """The generic 500 of the last-resort handler: nothing of the failure reaches the client."""
+    body = openai_error_body("the gateway failed to process the request", "server_error", "internal_error")
+    return immediate_json(500, body, details="iris_internal_error")
+
+
+def immediate_json(
+    status: int, body: bytes, headers: dict[str, str] | None = None, details: str = "iris_extproc",
+    metadata: dict[str, str | float] | None = None,
+) -> ProcessingResponse:
+    """An ImmediateResponse: Envoy answers the client with `status` and the JSON `body` without
+    going upstream. `details` (Envoy's response code details) must start with "iris_": envoy.yaml's
+    local_reply_config leaves such replies untouched. `metadata`: see `with_metadata`."""
+    all_headers = {"content-type": "application/json", **(headers or {})}
+    return with_metadata(ProcessingResponse(
+        immediate_response=ImmediateResponse(
+            status=HttpStatus(code=status),
+            headers=header_mutation(all_headers),
+            body=body,
+            details=details,
+        )
+    ), metadata)

@@ -1,0 +1,313 @@
+"""The stream loop of Envoy's ext_proc protocol: envoy.service.ext_proc.v3.ExternalProcessor/Process.
+
+One gRPC stream per HTTP request. Phases, in the order Envoy sends them (see envoy/envoy.yaml):
+request headers (path, method, identity and session headers; `GET /v1/models` is answered here)
+-> request body, BUFFERED (parse, identity, session key, decide, route by setting the routing
+header with clear_route_cache) -> response headers (record `:status`; a `/v1/responses` answer
+asks for its body) -> response body, only for `/v1/responses` (record the response id:
+extproc.openai_api.chains) -> response trailers -> stream end, when the lease is released, refreshing the
+pin only after a 2xx.
+
+The stream loop knows only Envoy's phases: it hands each decision to the lease table
+(extproc.routing.lease_table), which owns every lease, and hands it the stream's end. The end reaches a
+grpc.aio handler as the end of reads or as a cancellation; a done-callback on the call catches
+any other way; the table's `end` is idempotent, so whichever comes first wins. A lease reported
+lost ends the stream with an error; Envoy, failing closed, then resets the HTTP stream: that is
+how the spec's "cancel the request" reaches the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+import grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
+from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingRequest, ProcessingResponse
+from redis.exceptions import RedisError
+
+from extproc import metrics
+from extproc.config import Config, Provider
+from extproc.openai_api.chains import ChainLink, ResponseChains, ResponseIdReader
+from extproc.openai_api.request import ParsedRequest, RequestError, feature_for_path, parse_request
+from extproc.openai_api.sessions import HeaderSignals, SessionKeys, previous_response_id
+from extproc.protocol import answers
+from extproc.protocol import messages as msg
+from extproc.protocol.live import LiveConfig
+from extproc.routing.lease_table import Held, LeaseTable, Refusal
+from extproc.routing.outage import RedisBreaker
+from extproc.routing.router import Decision, Rejection, RejectionKind, RoutingRequest
+
+log = logging.getLogger(__name__)
+
+
+class UpstreamObserver(Protocol):
+    """What the stream loop reports of each routed request's response headers (implemented by
+    extproc.operations.health.HealthMonitor: passive health and the connect degradation)."""
+
+    async def connection_failed(self, provider: Provider, model: str, what: str) -> None: ...
+
+    def succeeded(self, provider: Provider, model: str) -> None: ...
+
+    def observe(self, provider: Provider, model: str, status: int | None) -> None: ...
+
+@dataclass
+class StreamState:
+    """What one gRPC stream (one HTTP request) has learned so far."""
+
+    path: str = ""
+    method: str = ""
+    signals: HeaderSignals = HeaderSignals()
+    identity: str = ""
+    session_id: str | None = None
+    stores_response: bool = False  # a /v1/responses request whose answer is stored (store not false)
+    reads_response_id: bool = False  # the answer's response id is worth its cost (see _routing_request)
+    model: str = ""
+    held: Held | None = None
+    decision: Decision | None = None
+    status: int | None = None
+    reader: ResponseIdReader | None = None
+    ended: bool = False
+
+    @property
+    def lease_lost(self) -> bool:
+        return self.held is not None and self.held.lost.is_set()
+
+
+class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
+    """The stream loop: knows Envoy's phases, delegates parsing to extproc.openai_api, decisions to
+    the lease table (extproc.routing.lease_table) and error answers to extproc.protocol.answers.
+    `live` (extproc.protocol.live) is replaced by `apply` on a config reload; a request reads it
+    once, when its body arrives, and decides and adapts with that snapshot. `breaker`: the Redis
+    circuit breaker the chain lookups and records report to. `observer`: where response
+    headers are reported (health), if anywhere."""
+
+    def __init__(self, live: LiveConfig, leases: LeaseTable, breaker: RedisBreaker, observer: UpstreamObserver | None = None):
+        self.live = live
+        self.observer = observer
+        self.leases = leases
+        self.breaker = breaker
+        self._routing_header = live.config.server.routing_header  # restart-only: Envoy must agree
+
+    def apply(self, live: LiveConfig) -> None:
+        """Take a new live config: streams whose body arrives from now on decide with it."""
+        self.live = live
+
+    @property
+    def config(self) -> Config:
+        """The running config (the latest reload's)."""
+        return self.live.config
+
+    @property
+    def sessions(self) -> SessionKeys:
+        return self.live.sessions
+
+    @property
+    def chains(self) -> ResponseChains:
+        return self.live.chains
+
+    @property
+    def models(self) -> frozenset[str]:
+        return self.live.models
+
+    async def Process(self, request_iterator, context: grpc.aio.ServicerContext) -> None:  # noqa: N802 (gRPC name)
+        stream = StreamState()
+        context.add_done_callback(lambda _: self._end_stream(stream))
+        task = asyncio.current_task()
+        try:
+            while (request := await context.read()) is not grpc.aio.EOF:
+                response = await self._handle_or_answer_500(stream, request)
+                if response is not None:
+                    await context.write(response)
+                    if response.HasField("immediate_response"):
+                        break
+        except asyncio.CancelledError:
+            if not stream.lease_lost:
+                raise
+            task.uncancel()
+        finally:
+            self._end_stream(stream)
+        if stream.lease_lost:
+            await context.abort(grpc.StatusCode.ABORTED, "request lease lost: the request is cancelled")
+
+    async def _handle_or_answer_500(self, stream: StreamState, request: ProcessingRequest) -> ProcessingResponse | None:
+        """The last resort: any unexpected exception of a phase is logged with its traceback and
+        answered with a generic 500 (code internal_error); the stream end releases any lease."""
+        try:
+            return await self._handle(stream, request)
+        except Exception:
+            log.exception("unexpected error in the %s phase of %s; answered 500", request.WhichOneof("request"), stream.path[:200])
+            return answers.internal_error()
+
+    async def _handle(self, stream: StreamState, request: ProcessingRequest) -> ProcessingResponse | None:
+        phase = request.WhichOneof("request")
+        if phase == "request_headers":
+            return self._on_request_headers(stream, request)
+        if phase == "request_body":
+            return await self._on_request_body(stream, request)
+        if phase == "response_headers":
+            return await self._on_response_headers(stream, request)
+        if phase == "response_trailers":
+            return msg.continue_response_trailers()
+        if phase == "response_body":
+            return await self._on_response_body(stream, request)
+        if phase == "request_trailers":
+            return msg.continue_request_trailers()
+        return None
+
+    def _on_request_headers(self, stream: StreamState, request: ProcessingRequest) -> ProcessingResponse:
+        headers = msg.header_map(request.request_headers)
+        stream.path = headers.get(":path", "")
+        stream.method = headers.get(":method", "")
+        stream.signals = self.sessions.read_headers(headers)
+        try:
+            if answers.is_models_path(stream.path):
+                return answers.models(stream.method, stream.path, self.live.model_list, self.live.models)
+            feature_for_path(stream.path)
+            if stream.method != "POST":
+                raise RequestError(405, f"method {stream.method[:20]!r} is not allowed here: use POST", "method_not_allowed")
+            if request.request_headers.end_of_stream:
+                raise RequestError(400, "a request body is required", "missing_body")
+            if int(headers.get("content-length") or 0) > self.config.server.max_body_bytes:
+                raise answers.too_large(self.config.server.max_body_bytes)
+        except RequestError as exc:
+            return answers.request_error(exc)
+        except ValueError:
+            return answers.request_error(RequestError(400, "invalid content-length", "invalid_header"))
+        return msg.continue_request_headers(remove=[self._routing_header])
+
+    async def _on_request_body(self, stream: StreamState, request: ProcessingRequest) -> ProcessingResponse:
+        body = request.request_body.body
+        live = self.live
+        try:
+            if len(body) > live.config.server.max_body_bytes:
+                raise answers.too_large(live.config.server.max_body_bytes)
+            parsed = parse_request(feature_for_path(stream.path), body, live.config.session.completions_prefix_chars)
+            if parsed.model not in live.models:
+                raise RequestError(404, f"the model '{parsed.model[:200]}' does not exist", "model_not_found", param="model")
+        except RequestError as exc:
+            return answers.request_error(exc)
+        routing_request = await self._routing_request(stream, parsed)
+        started = time.perf_counter()
+        try:
+            outcome = await self.leases.decide(routing_request, live.router, live.state)
+        finally:
+            decision_seconds = time.perf_counter() - started
+            metrics.DECISION_SECONDS.observe(decision_seconds)
+        decision_ms = round(decision_seconds * 1000, 3)
+        if isinstance(outcome, (Refusal, Rejection)):
+            return self._answer_refused(outcome, routing_request, parsed, live, decision_ms)
+        if stream.ended:  # the stream ended while the decision was on its way
+            self.leases.end(outcome, succeeded=False)
+            return None
+        stream.held, stream.decision = outcome, outcome.decision
+        outcome.on_lost = asyncio.current_task().cancel  # this stream's task: a lost lease cancels it
+        decision = outcome.decision
+        metrics.DECISIONS.labels(decision.provider.name, parsed.model, decision.reason.value).inc()
+        stream.model = parsed.model
+        change = live.adapter.adapt(decision.provider, parsed.model, parsed.body)
+        metadata = {"provider": decision.provider.name, "reason": decision.reason.value, "decision_ms": decision_ms}
+        return msg.route_to_cluster(
+            self._routing_header, decision.provider.cluster, change.set_headers, change.remove, change.body, metadata
+        )
+
+    async def _routing_request(self, stream: StreamState, parsed: ParsedRequest) -> RoutingRequest:
+        """Identity, session key and, for a Responses turn continuing a stored response, the
+        provider that stores it (docs/sessions.md "Identity and sessions")."""
+        stream.identity = self.sessions.identity(stream.signals, parsed)
+        link = None
+        previous = previous_response_id(parsed)
+        breaker = self.breaker
+        if previous is not None and not breaker.is_open:
+            try:
+                link = await self.chains.lookup(parsed.model, stream.identity, previous)
+                breaker.record_success()
+            except RedisError as exc:
+                breaker.record_failure(exc)
+        key = self.sessions.session(stream.signals, parsed, stream.identity, link.session_id if link else None)
+        stream.session_id = key.session_id
+        stream.stores_response = parsed.feature == "responses" and parsed.body.get("store") is not False
+        # A stored answer binds its chain to the provider: always read. An unstored one only tells
+        # the next turn its session, which a signal ranked before previous_response_id tells anyway.
+        stream.reads_response_id = parsed.feature == "responses" and (
+            stream.stores_response or not self.sessions.outranks_previous_response(key.signal)
+        )
+        metrics.SESSION_SIGNALS.labels(key.signal.value if key.signal else "none").inc()
+        required = link.provider if link else None
+        return RoutingRequest(parsed.model, parsed.feature, parsed.sub_features, key.session_id, required)
+
+    def _answer_refused(
+        self, outcome: Refusal | Rejection, request: RoutingRequest, parsed: ParsedRequest, live: LiveConfig, decision_ms: float
+    ) -> ProcessingResponse:
+        """No provider for this request: the lease table refused to decide, or the router found none."""
+        model_label = metrics.model_label(parsed.model, live.models)
+        retry_after = live.config.server.retry_after_seconds
+        if isinstance(outcome, Refusal):
+            return answers.refusal(outcome, model_label, retry_after, decision_ms)
+        provider = request.required_provider
+        if provider is not None and outcome.kind is not RejectionKind.UNSUPPORTED:
+            configured = any(p.name == provider for p in live.config.providers_for(request.model))
+            degraded = not configured or live.router.provider_is_degraded(live.config.provider(provider), request.model)
+            return answers.chained_unavailable(provider, previous_response_id(parsed), degraded, model_label, retry_after, decision_ms)
+        return answers.routing_rejection(outcome, model_label, retry_after, decision_ms)
+
+    async def _on_response_headers(self, stream: StreamState, request: ProcessingRequest) -> ProcessingResponse:
+        """Record `:status` (pin refresh, passive check). When Envoy answers itself because the
+        provider refused the connection or reset it before the headers, degrade the pair at once
+        (awaited: this instance's next decision must see it) and tell the client when to retry."""
+        try:
+            stream.status = int(msg.header_value(request.response_headers, ":status") or "0")
+        except ValueError:
+            stream.status = 0
+        extra: dict[str, str] = {}
+        decision = stream.decision
+        if decision is not None:
+            unreachable = msg.upstream_unreachable(request)
+            if unreachable is not None:
+                extra["retry-after"] = str(self.config.server.retry_after_seconds)
+            if self.observer is not None:
+                if unreachable is not None:
+                    await self.observer.connection_failed(decision.provider, stream.model, unreachable)
+                elif 200 <= stream.status < 300:
+                    self.observer.succeeded(decision.provider, stream.model)
+                self.observer.observe(decision.provider, stream.model, stream.status)
+            if self.config.server.expose_routing_headers:
+                extra |= {"x-iris-provider": decision.provider.name, "x-iris-route-reason": decision.reason.value}
+        read_body = None
+        readable = stream.decision is not None and stream.reads_response_id and not self.breaker.is_open
+        if readable and 200 <= stream.status < 300:  # a Responses answer: its other headers count too
+            headers = msg.header_map(request.response_headers)
+            event_stream = headers.get("content-type", "").startswith("text/event-stream")
+            if not headers.get("content-encoding"):  # a compressed body is not read: no chain recorded
+                stream.reader = ResponseIdReader(event_stream)
+                read_body = "STREAMED" if event_stream else "BUFFERED"
+        return msg.continue_response_headers(extra or None, read_body)
+
+    async def _on_response_body(self, stream: StreamState, request: ProcessingRequest) -> ProcessingResponse:
+        """Only /v1/responses answers come here: record the response id once it is seen."""
+        reader = stream.reader
+        if reader is not None and not reader.done:
+            response_id = reader.feed(request.response_body.body, request.response_body.end_of_stream)
+            if response_id is not None:
+                await self._record_chain(stream, response_id)
+        return msg.continue_response_body()
+
+    async def _record_chain(self, stream: StreamState, response_id: str) -> None:
+        """Before the client can see the id: so a next turn through any instance finds it."""
+        provider = stream.decision.provider.name if stream.stores_response else None
+        try:
+            await self.chains.record(stream.model, stream.identity, response_id, ChainLink(stream.session_id, provider))
+            metrics.CHAINS_RECORDED.inc()
+        except RedisError as exc:
+            self.breaker.record_failure(exc)
+            log.warning("response chain not recorded (redis): %s", exc)
+
+    def _end_stream(self, stream: StreamState) -> None:
+        """Hand the stream's end to the lease table (idempotent), whichever way it ended."""
+        stream.ended = True
+        if stream.held is not None:
+            succeeded = stream.status is not None and 200 <= stream.status < 300
+            self.leases.end(stream.held, succeeded)

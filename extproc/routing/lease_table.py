@@ -1,0 +1,484 @@
+"""The one owner, per process, of every running request's lease: shared (Redis) or local (outage).
+
+A decision goes through the table (`decide`): the table mints the lease and pin ids before any
+call reaches Redis and records the decision as possibly admitted until its answer arrives. When
+the answer never arrives (the client hung up, the decision timed out, Redis failed), an
+abandonment of those ids (lua/abandon.lua) is queued to a worker of the table, out of reach of
+the request's cancellation, and retried until Redis takes it; an id never admitted answers
+NOT_FOUND. A decided request is held (`Held`) until the stream loop hands back its end (`end`):
+the table renews the lease every `lease_timeout_seconds / 3`, releases it (refreshing the pin
+only after a 2xx on a pinned provider, the spec's execute_with_request_lease), and reports it lost
+(`Held.lost`) only when Redis saw it expire.
+
+What a running request is promised (docs/routing-state.md "When Redis is gone"):
+- a renewal that cannot reach Redis keeps the request running; the lease is adopted
+  (lua/adopt.lua) when Redis answers again;
+- a renewal that finds the lease missing because Redis lost its state (restart without
+  persistence, flush, failover: the epoch key `{prefix}:epoch`, written when the state is first
+  used, changed or vanished since the lease was admitted) adopts it too; and when this process
+  sees the epoch change, it adopts every lease it holds at once;
+- only a lease Redis saw expire while its renewals reached Redis (same epoch, no failed renewal
+  since the last success) is lost: its request is cancelled.
+
+Every decision reads the epoch alongside its admission (one read in flight per process, shared
+by the decisions waiting on it, sent with the admission rather than before it: one round trip of
+latency fewer) and abandons what it admitted when the epoch changed, so nothing admitted on a
+Redis that lost its state is kept. After a new epoch (written with its creation time, Redis
+time in ms), managed pairs take no new admission until `redis.epoch_grace` seconds after that
+time, nor while this process adopts after an epoch change: every other instance sees the new
+epoch within a heartbeat or a probe and adopts its running leases meanwhile, and only then may
+admissions count against them. During the grace decisions follow the outage policy without
+local shares (unlimited pairs only; `fail_closed`: 503).
+
+During an outage (the breaker open) the outage policy (extproc.routing.outage) chooses a provider and the
+table holds a local lease for a pair with an in-flight limit. `recover` (called when the probe
+reaches Redis) adopts every lease held, closes the breaker so new decisions go to Redis, then
+adopts again until nothing local is left. `drain` releases everything still held.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import math
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from redis.exceptions import RedisError
+
+from extproc import metrics
+from extproc.config import Config
+from extproc.routing.outage import OutagePolicy, RedisBreaker
+from extproc.routing.router import Decision, Ids, Reason, Rejection, Router, RoutingRequest
+from extproc.routing.state import Lease, Result, RoutingState, new_id
+from extproc.storage.client import is_pool_exhausted
+from extproc.storage.keys import Keyspace
+from extproc.supervision import run_every
+
+log = logging.getLogger(__name__)
+
+
+class Refusal(str, enum.Enum):
+    """Why the table decided nothing: Redis is unreachable under `fail_closed` (503
+    routing_unavailable), or every Redis connection of this process is busy (429
+    routing_overloaded: load, not an outage)."""
+
+    UNAVAILABLE = "routing_unavailable"
+    OVERLOADED = "routing_overloaded"
+
+
+@dataclass(eq=False)
+class Held:
+    """One running request's decision as the table holds it. `lost` is set when its lease is
+    lost, and `on_lost` (the stream loop's, which then cancels the request) called once.
+    `local`: the lease lives in this process only (granted during an outage, not yet adopted)."""
+
+    decision: Decision
+    local: bool
+    epoch: str | None
+    state: RoutingState | None = None  # the config's it was admitted under (extproc.operations.reload); None: the table's
+    lost: asyncio.Event = field(default_factory=asyncio.Event)
+    on_lost: Callable[[], None] | None = None
+    unconfirmed: bool = False  # a renewal failed since the last one Redis answered
+    ended: bool = False
+    adopting: bool = False
+    renewal: asyncio.Task | asyncio.TimerHandle | None = None  # a timer until the first renewal is due
+    confirmed_at: float = field(default_factory=time.monotonic)  # monotonic s of the last renewal answered
+
+    @property
+    def lease(self) -> Lease | None:
+        return self.decision.lease
+
+    def mark_lost(self) -> None:
+        """Redis saw the lease expire: set `lost` and tell the stream loop."""
+        self.lost.set()
+        if self.on_lost is not None:
+            self.on_lost()
+
+
+@dataclass(frozen=True, slots=True)
+class _Abandoned:
+    model: str
+    session_id: str | None
+    ids: Ids
+    state: RoutingState
+
+
+class LeaseTable:
+    """See the module docstring. One per process; `start()` inside the event loop."""
+
+    retry_seconds = 0.5
+
+    def __init__(self, config: Config, state: RoutingState, router: Router, outage: OutagePolicy, breaker: RedisBreaker):
+        self.config = config
+        self.state = state
+        self.router = router
+        self.outage = outage
+        self.breaker = breaker
+        self.epoch: str | None = None  # the routing state's epoch last read
+        self._epoch_key = Keyspace(config.redis.key_prefix).epoch()
+        self._epoch_read: asyncio.Task | None = None  # the epoch read decisions wait on
+        self._grace_until = 0.0  # monotonic s: managed pairs take no new admission before
+        self._adopting_epoch = 0  # adoptions after an epoch change under way
+        self._held: set[Held] = set()
+        self._on_pair: Counter[tuple[str, str]] = Counter()
+        self._abandoned: asyncio.Queue[_Abandoned] | None = None
+        self._abandoning = 0
+        self._worker: asyncio.Task | None = None
+        self._releases: set[asyncio.Task] = set()
+        self._timeout = config.lease_timeout_seconds
+        metrics.LOCAL_LEASES.set_function(lambda: self.local_leases)
+
+    def reconfigure(self, config: Config, state: RoutingState, router: Router) -> None:
+        """Decide with a reloaded config from now on (extproc.operations.reload). Every lease held keeps
+        renewing, adopting and releasing through the RoutingState it was admitted with, so its
+        pair's accounting holds even when the reload removed its provider or model."""
+        self.config, self.state, self.router = config, state, router
+        self._timeout = config.lease_timeout_seconds  # renewals of leases admitted from now on
+
+    def start(self) -> None:
+        """Start the abandonment worker (needs a running event loop)."""
+        self._abandoned = asyncio.Queue()
+        # Supervised (extproc.supervision): an unexpected exception restarts the worker.
+        self._worker = asyncio.get_running_loop().create_task(run_every("lease_abandon", self._abandon_one, 0))
+
+    # ---- questions ----------------------------------------------------------------------
+
+    def held_on_pair(self, provider: str, model: str) -> int:
+        """Leases this process holds on the pair, admitted by Redis or local."""
+        return self._on_pair[(provider, model)]
+
+    @property
+    def local_leases(self) -> int:
+        """Leases held in this process only (granted during an outage, not yet adopted)."""
+        return sum(1 for held in self._held if held.local)
+
+    @property
+    def rebuilding(self) -> bool:
+        """Whether Redis lost its state recently enough that managed pairs take no new admission
+        (the epoch grace, or this process's adoption after an epoch change under way)."""
+        return self._adopting_epoch > 0 or time.monotonic() < self._grace_until
+
+    @property
+    def pending_abandonments(self) -> int:
+        """Abandonments queued or under way."""
+        return self._abandoning
+
+    # ---- deciding -----------------------------------------------------------------------
+
+    async def decide(
+        self, request: RoutingRequest, router: Router | None = None, state: RoutingState | None = None
+    ) -> Held | Rejection | Refusal:
+        """Decide through Redis (within `server.decision_timeout_seconds`), or through the
+        outage policy while the breaker is open or when this decision's Redis calls failed.
+        `router` and `state` (default: the table's) are one config's pair (extproc.operations.reload).
+        Raises asyncio.CancelledError when the stream is cancelled (its ids are abandoned)."""
+        router, state = router or self.router, state or self.state
+        if self.breaker.is_open:
+            return self._decide_locally(request, state)
+        if self.rebuilding:
+            return self._decide_locally(request, state, shares=False)
+        ids, admitting = Ids.fresh(), True
+        try:
+            async with asyncio.timeout(self.config.server.decision_timeout_seconds):
+                epoch_read = self._epoch_read_shared()
+                outcome = await router.execute_request(request, ids)
+                admitting = False
+                await self._epoch_read_after(epoch_read)
+            if self.rebuilding:  # Redis lost its state: what was admitted may count on nothing
+                self._abandon(request, ids, state)
+                return self._decide_locally(request, state, shares=False)
+        except (RedisError, TimeoutError) as exc:
+            if not (admitting and is_pool_exhausted(exc)):  # that one never reached Redis
+                self._abandon(request, ids, state)
+            if is_pool_exhausted(exc):
+                return Refusal.OVERLOADED
+            metrics.REDIS_ERRORS.labels("decision").inc()
+            self.breaker.record_failure(exc)
+            return self._decide_locally(request, state)
+        except BaseException:
+            self._abandon(request, ids, state)
+            raise
+        self.breaker.record_success()
+        if isinstance(outcome, Rejection):
+            return outcome
+        return self._hold(outcome, local=False, state=state)
+
+    def _decide_locally(self, request: RoutingRequest, state: RoutingState, shares: bool = True) -> Held | Rejection | Refusal:
+        """The outage policy's decision; `shares=False` (the epoch grace): no local share."""
+        if self.config.redis.outage_policy == "fail_closed":
+            return Refusal.UNAVAILABLE
+        metrics.OUTAGE_DECISIONS.inc()
+        choice = self.outage.choose(request, self.held_on_pair, shares=shares)
+        if isinstance(choice, Rejection):
+            return choice
+        limits = choice.limits(request.model)
+        lease = None
+        if limits is not None and limits.max_global_in_flight_request_slots is not None:
+            lease = Lease(request.model, choice.name, new_id(), None, None, 0)
+        decision = Decision(choice, Reason.UNPINNED, lease, None, refresh_pin_on_success=False)
+        return self._hold(decision, local=lease is not None, state=state)
+
+    def _hold(self, decision: Decision, local: bool, state: RoutingState) -> Held:
+        held = Held(decision, local=local, epoch=self.epoch, state=state)
+        self._held.add(held)
+        if decision.lease is not None:
+            self._on_pair[(decision.lease.provider, decision.lease.model)] += 1
+            # Most requests end before the first renewal is due: the task is only created then.
+            held.renewal = asyncio.get_running_loop().call_later(self._timeout / 3, self._start_renewing, held)
+        return held
+
+    # ---- ending -------------------------------------------------------------------------
+
+    def end(self, held: Held, succeeded: bool) -> None:
+        """The request's stream ended (any way). Stops renewal and releases the lease in the
+        background (refreshing the pin when the decision asks for it and `succeeded`).
+        Idempotent; never raises."""
+        if held.ended:
+            return
+        held.ended = True
+        self._forget(held)
+        if held.lost.is_set():
+            metrics.LEASES_LOST.inc()
+        if held.lease is None or (held.local and not held.adopting):
+            return
+        if held.adopting:
+            return  # the adoption in flight releases it once it is recorded
+        refresh = held.decision.refresh_pin_on_success and succeeded and not held.lost.is_set()
+        self._spawn_release(held, refresh)
+
+    def _forget(self, held: Held) -> None:
+        if held in self._held:
+            self._held.discard(held)
+            if held.lease is not None:
+                self._on_pair[(held.lease.provider, held.lease.model)] -= 1
+        if held.renewal is not None:
+            held.renewal.cancel()
+
+    def _spawn_release(self, held: Held, refresh: bool) -> None:
+        task = asyncio.get_running_loop().create_task(self._release(held, refresh))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+
+    async def _release(self, held: Held, refresh: bool) -> None:
+        """Release in Redis, retrying while the lease may still count there."""
+        give_up_at = max(held.confirmed_at, time.monotonic()) + self._timeout
+        while True:
+            try:
+                await (held.state or self.state).release_request_lease(held.lease, refresh_pin=refresh)
+                return
+            except RedisError as exc:
+                metrics.REDIS_ERRORS.labels("release").inc()
+                if time.monotonic() + self.retry_seconds >= give_up_at:
+                    log.warning("lease %s not released, it expires by itself: %s", held.lease.id, exc)
+                    return
+            metrics.RELEASE_RETRIES.inc()
+            await asyncio.sleep(self.retry_seconds)
+
+    # ---- abandoning ---------------------------------------------------------------------
+
+    def _abandon(self, request: RoutingRequest, ids: Ids, state: RoutingState) -> None:
+        metrics.DECISIONS_ABANDONED.inc()
+        if self._abandoned is not None:
+            self._abandoning += 1
+            self._abandoned.put_nowait(_Abandoned(request.model, request.session_id, ids, state))
+
+    async def _abandon_one(self) -> None:
+        """The next abandonment, retried until Redis takes it (they are idempotent). One that
+        raises anything else is dropped (its records expire by themselves) and the worker goes
+        on with the next (extproc.supervision counts and logs it)."""
+        item = await self._abandoned.get()
+        try:
+            while True:
+                try:
+                    await item.state.abandon_request(item.model, item.session_id, item.ids.lease_id, item.ids.pin_id)
+                    return
+                except RedisError:
+                    await asyncio.sleep(self.retry_seconds)
+        finally:
+            self._abandoning -= 1
+
+    # ---- renewing -----------------------------------------------------------------------
+
+    def _start_renewing(self, held: Held) -> None:
+        if not held.ended:
+            held.renewal = asyncio.get_running_loop().create_task(self._renew_forever(held))
+
+    async def _renew_forever(self, held: Held) -> None:
+        interval = self._timeout / 3
+        while not held.ended:
+            if not held.local:
+                if self.breaker.is_open:
+                    held.unconfirmed = True
+                elif not await self._renew_once(held):
+                    held.mark_lost()
+                    return
+            await asyncio.sleep(interval)
+
+    async def _renew_once(self, held: Held) -> bool:
+        """One renewal. False only when the lease is lost: Redis saw it expire (see the module
+        docstring); a lease Redis lost, or one whose renewals did not reach it, is adopted."""
+        renewed_at = time.monotonic()
+        try:
+            update = await (held.state or self.state).renew_request_lease(held.lease)
+        except RedisError as exc:
+            metrics.REDIS_ERRORS.labels("renew").inc()
+            metrics.LEASE_RENEWALS.labels("failed").inc()
+            held.unconfirmed = True
+            self.breaker.record_failure(exc)
+            log.warning("lease renewal failed, the request keeps running: %s", exc)
+            return True
+        if update.result is Result.RENEWED:
+            metrics.LEASE_RENEWALS.labels("renewed").inc()
+            held.unconfirmed, held.confirmed_at = False, renewed_at
+            return True
+        if held.unconfirmed or await self._redis_lost_state(held):
+            metrics.LEASE_RENEWALS.labels("adopted").inc()
+            try:
+                await self._adopt(held)
+            except RedisError:
+                held.unconfirmed = True
+            return True
+        metrics.LEASE_RENEWALS.labels("lost").inc()
+        return False
+
+    async def _redis_lost_state(self, held: Held) -> bool:
+        """Whether the routing state's epoch differs from the one the lease was admitted under
+        (or either is unknown): Redis lost its state since."""
+        admitted_under = held.epoch
+        try:
+            epoch = await self.refresh_epoch()
+        except RedisError:
+            return True
+        return admitted_under is None or admitted_under != epoch
+
+    # ---- the epoch and adoption ---------------------------------------------------------
+
+    def _epoch_read_shared(self) -> asyncio.Task:
+        """The epoch read under way, or a new one (refresh_epoch), for a decision to await
+        shielded: it runs on when its waiters are cancelled. Its result raises RedisError."""
+        task = self._epoch_read
+        if task is None or task.done():
+            task = self._epoch_read = asyncio.get_running_loop().create_task(self.refresh_epoch())
+            task.add_done_callback(lambda done: done.cancelled() or done.exception())
+        return task
+
+    async def _epoch_read_after(self, read: asyncio.Task) -> None:
+        """Await the shared epoch read `read` for an admission that succeeded; when it failed,
+        one read of its own: the shared one may have begun, and failed, before this admission
+        found a free connection. Raises RedisError."""
+        try:
+            await asyncio.shield(read)
+        except RedisError:
+            await asyncio.shield(self._epoch_read_shared())
+
+    async def refresh_epoch(self, adopt_on_change: bool = True) -> str:
+        """Read the routing state's epoch, writing a new one when there is none (Redis started
+        empty or lost its state). When it changed from the one last read (or this process knew
+        none but saw Redis fail), the epoch grace begins (module docstring); when it changed
+        (and `adopt_on_change`), every lease held is adopted. Raises RedisError."""
+        epoch, age = await self._read_epoch()
+        previous, self.epoch = self.epoch, epoch
+        if previous == epoch:
+            return epoch
+        if previous is not None or self.breaker.failures_seen:
+            grace = self.config.redis.epoch_grace
+            self._grace_until = max(self._grace_until, time.monotonic() + max(0.0, grace - age))
+            log.warning("the routing state lost its state (new epoch, %.2f s old): managed pairs take no new admission for %.2f s",
+                        age, max(0.0, grace - age))
+        if adopt_on_change and previous is not None:
+            log.warning("adopting %d held leases into the new epoch", len(self._held))
+            self._adopting_epoch += 1
+            try:
+                await self.adopt_held(include_shared=True)
+            finally:
+                self._adopting_epoch -= 1
+        return epoch
+
+    async def _read_epoch(self) -> tuple[str, float]:
+        """The epoch (written SET NX as `<random hex>@<Redis time ms>` when there is none) and
+        its age in seconds by Redis time (0 when unknown). One round trip when the epoch is the
+        one last read, three when it is new. Raises RedisError."""
+        redis = self.state.redis
+        raw = await redis.get(self._epoch_key)
+        if raw is not None and _text(raw) == self.epoch:
+            return self.epoch, math.inf
+        seconds, micros = await redis.time()
+        now_ms = seconds * 1000 + micros // 1000
+        if raw is None:
+            async with redis.pipeline(transaction=True) as pipe:
+                pipe.set(self._epoch_key, f"{uuid.uuid4().hex}@{now_ms}", nx=True)
+                pipe.get(self._epoch_key)
+                _, raw = await pipe.execute()
+        epoch = _text(raw)
+        created, _, rest = epoch.rpartition("@")
+        age = max(0.0, (now_ms - int(rest)) / 1000) if created and rest.isdigit() else 0.0
+        return epoch, age
+
+    async def adopt_held(self, include_shared: bool) -> int:
+        """Adopt every local lease held (and, with `include_shared`, every Redis lease too:
+        harmless for one Redis still has). Returns how many were adopted. Raises RedisError."""
+        adopted = 0
+        for held in list(self._held):
+            if held.lease is None or held.ended or not (held.local or include_shared):
+                continue
+            await self._adopt(held)
+            adopted += 1
+        return adopted
+
+    async def _adopt(self, held: Held) -> None:
+        held.adopting = True
+        try:
+            await (held.state or self.state).adopt_request_lease(held.lease)
+        except BaseException:
+            if held.ended and not held.local:
+                self._spawn_release(held, refresh=False)
+            raise
+        finally:
+            held.adopting = False
+        was_local, held.local = held.local, False
+        held.unconfirmed, held.confirmed_at, held.epoch = False, time.monotonic(), self.epoch
+        if held.ended:  # its request ended while the adoption was on its way
+            self._spawn_release(held, refresh=False)
+        elif was_local:
+            metrics.LEASES_ADOPTED.inc()
+
+    async def recover(self) -> int:
+        """Redis answers again: adopt every lease held (local ones, and Redis ones it may have
+        let expire or lost), close the breaker so new decisions go to Redis, then adopt until
+        nothing local is left. Returns the local leases adopted. Raises RedisError (the breaker
+        is then open again)."""
+        try:
+            await self.refresh_epoch(adopt_on_change=False)
+            before = self.local_leases
+            await self.adopt_held(include_shared=True)
+            self.breaker.close()
+            while self.local_leases:
+                await self.adopt_held(include_shared=False)
+        except RedisError as exc:
+            self.breaker.trip(exc)
+            raise
+        return before
+
+    # ---- draining -----------------------------------------------------------------------
+
+    async def drain(self, within_seconds: float = 5.0) -> None:
+        """Release everything still held, wait (up to `within_seconds`) for the releases and
+        abandonments under way to reach Redis, then stop the table's tasks."""
+        for held in list(self._held):
+            self.end(held, succeeded=False)
+        deadline = time.monotonic() + within_seconds
+        while (self._releases or self.pending_abandonments) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for task in list(self._releases):
+            task.cancel()
+        if self._worker is not None:
+            self._worker.cancel()
+
+
+def _text(raw: bytes | str) -> str:
+    return raw.decode() if isinstance(raw, bytes) else raw

@@ -1,0 +1,419 @@
+"""The shared routing state (the spec's ROUTING_STATE): pins and request leases in Redis.
+
+Every transition is one Lua script of this package's `lua/` folder, run atomically by Redis;
+this module only builds keys and arguments and decodes replies. Time is Redis `TIME` in
+milliseconds; tests may pass `now_ms` explicitly (production never does).
+
+Key names come from extproc.storage.keys.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from importlib import resources
+
+from extproc import metrics
+from extproc.config import Config, Provider
+from extproc.storage.client import LuaScript, RedisClient, connect  # noqa: F401 (connect: re-exported)
+from extproc.storage.keys import Keyspace
+
+NO_LIMIT = -1
+NOT_REPLICATED_LOG_INTERVAL_SECONDS = 10.0
+
+log = logging.getLogger(__name__)
+
+
+class Result(str, enum.Enum):
+    """Result names of the routing state's transitions (the spec's, plus renew/release answers)."""
+
+    ADMITTED = "ADMITTED"
+    ALREADY_PINNED = "ALREADY_PINNED"
+    SESSION_NOT_PINNED = "SESSION_NOT_PINNED"
+    PIN_LIMIT_REACHED = "PIN_LIMIT_REACHED"
+    PER_SESSION_IN_FLIGHT_REQUEST_LIMIT_REACHED = "PER_SESSION_IN_FLIGHT_REQUEST_LIMIT_REACHED"
+    GLOBAL_IN_FLIGHT_REQUEST_LIMIT_REACHED = "GLOBAL_IN_FLIGHT_REQUEST_LIMIT_REACHED"
+    UNRESERVED_IN_FLIGHT_REQUEST_LIMIT_REACHED = "UNRESERVED_IN_FLIGHT_REQUEST_LIMIT_REACHED"
+    PROVIDER_NOT_CONFIGURED = "PROVIDER_NOT_CONFIGURED"
+    PIN_MISMATCH = "PIN_MISMATCH"
+    PINNED = "PINNED"
+    NOT_PINNED = "NOT_PINNED"
+    RENEWED = "RENEWED"
+    LEASE_LOST = "LEASE_LOST"
+    RELEASED = "RELEASED"
+    LEASE_EXPIRED = "LEASE_EXPIRED"
+    NOT_FOUND = "NOT_FOUND"
+
+
+CAPACITY_RESULTS = frozenset(
+    {
+        Result.PIN_LIMIT_REACHED,
+        Result.PER_SESSION_IN_FLIGHT_REQUEST_LIMIT_REACHED,
+        Result.GLOBAL_IN_FLIGHT_REQUEST_LIMIT_REACHED,
+        Result.UNRESERVED_IN_FLIGHT_REQUEST_LIMIT_REACHED,
+    }
+)
+
+
+class PinMatch(str, enum.Enum):
+    """Whether a compare-and-swap found the expected pin (the spec's result.pin_match)."""
+
+    MATCHED = "MATCHED"
+    MISMATCHED = "MISMATCHED"
+
+
+@dataclass(frozen=True, slots=True)
+class Pin:
+    """A session's pin. `deadline_ms`: inactivity deadline; `expiry_ms`: when the pin dies if
+    nothing changes (the latest of the deadline and its leases' deadlines). Redis time, ms."""
+
+    provider: str
+    id: str
+    deadline_ms: int
+    expiry_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """A request lease (an in-flight slot) on a (provider, model) pair. `pin_id` is None for a
+    temporary lease. `deadline_ms`: Redis time (ms) after which it stops counting unless renewed."""
+
+    model: str
+    provider: str
+    id: str
+    session_id: str | None
+    pin_id: str | None
+    deadline_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """The answer of an admission transition: `lease` is set only when result is ADMITTED."""
+
+    result: Result
+    pin: Pin | None
+    lease: Lease | None
+    now_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class CasResult:
+    """The answer of try_compare_and_swap_pin_and_admit_request."""
+
+    pin_match: PinMatch
+    admission: Admission
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseUpdate:
+    """The answer of a renewal or release: RENEWED / LEASE_LOST, or RELEASED / LEASE_EXPIRED /
+    NOT_FOUND; `deadline_ms` is the renewed deadline (Redis time, ms) when RENEWED."""
+
+    result: Result
+    deadline_ms: int | None
+    now_ms: int
+
+
+SCRIPT_NAMES = (
+    "get_pin",
+    "get_pin_and_admit",
+    "admit_unpinned",
+    "admit_pinned",
+    "cas_repin",
+    "admit_without_pin",
+    "renew",
+    "release",
+    "adopt",
+    "abandon",
+)
+
+
+# The scripts that may record a lease (the ones `redis.durable_admissions` waits on).
+ADMITTING_SCRIPTS = frozenset({"get_pin_and_admit", "admit_unpinned", "admit_pinned", "cas_repin", "admit_without_pin", "adopt"})
+
+
+def script_body(name: str) -> str:
+    """The text of lua/<name>.lua alone, read from this package's resources
+    (extproc/routing/lua/)."""
+    return resources.files(__package__).joinpath("lua", f"{name}.lua").read_text()
+
+
+def script_source(name: str) -> str:
+    """The full source of script `name`: lua/lib.lua followed by lua/<name>.lua."""
+    return script_body("lib") + "\n" + script_body(name)
+
+
+def new_id() -> str:
+    """A fresh id for a lease or a pin (128 random bits, hex)."""
+    return uuid.uuid4().hex
+
+
+class RoutingState:
+    """The spec's ROUTING_STATE over Redis. Every method is one atomic script call (one round
+    trip); NOSCRIPT after a restart, a failover or `SCRIPT FLUSH` is recovered by EVAL of the
+    script on the node that answered (extproc.redis_client.LuaScript).
+
+    `now_ms` arguments are test-only. Raises redis.exceptions.RedisError on connection problems.
+    """
+
+    def __init__(self, redis: RedisClient, config: Config, *, sources: Mapping[str, str] | None = None):
+        """`sources` (test-only) replaces the source of named scripts, for example with a
+        deliberately broken one in a mutation check."""
+        self.redis = redis
+        self.config = config
+        self.keys = Keyspace(config.redis.key_prefix)
+        sources = sources or {}
+        self._scripts = {
+            name: LuaScript(sources.get(name) or script_source(name)) for name in SCRIPT_NAMES
+        }
+        self._timing = [
+            round(config.pin_inactivity_timeout_seconds * 1000),
+            round(config.lease_timeout_seconds * 1000),
+            round(config.redis.housekeeping_grace_seconds * 1000),
+        ]
+        self._durable = config.redis.durable_admissions
+        self._not_replicated_logged_at = float("-inf")
+        self._not_replicated_since_log = 0
+        self._model_keys: dict[str, list[str]] = {}
+        self._model_args: dict[str, list[object]] = {}
+        for model in config.models():
+            providers = config.providers_for(model)
+            self._model_keys[model] = [
+                key
+                for p in providers
+                for key in (self.keys.provider_pins(model, p.name), self.keys.provider_leases(model, p.name))
+            ]
+            self._model_args[model] = [*self._timing, len(providers), *_limits_args(config, model, providers)]
+
+    async def load_scripts(self) -> None:
+        """Load every script into the Redis script cache (optional: calls load on demand)."""
+        for script in self._scripts.values():
+            await script.load(self.redis)
+
+    async def get_pin(self, model: str, session_id: str, *, now_ms: int | None = None) -> Pin | None:
+        """The spec's get_pin: the session's live pin, or None."""
+        reply = await self._call("get_pin", model, session_id, [], now_ms, with_providers=False)
+        return _decode(model, session_id, reply).pin
+
+    async def get_pin_and_try_admit(
+        self,
+        model: str,
+        session_id: str,
+        eligible: list[str],
+        *,
+        lease_id: str | None = None,
+        pin_id: str | None = None,
+        now_ms: int | None = None,
+    ) -> tuple[Pin | None, Admission | None]:
+        """The spec's first routing attempt in one round trip: get_pin, then the admission the
+        spec would try next: on the pin if its provider is in `eligible` (provider names in
+        priority order), else nothing; without a pin, a new pin on eligible[0]. Returns (the pin
+        seen, the admission or None when none was attempted).
+
+        `lease_id` / `pin_id` (every admission takes both): the ids to record the lease and a
+        new pin under, minted by the caller before the call (extproc.routing.lease_table), so a call
+        whose answer never comes back can still be abandoned; fresh ones when None."""
+        args = [lease_id or new_id(), pin_id or new_id(), *eligible]
+        reply = await self._call("get_pin_and_admit", model, session_id, args, now_ms)
+        pinned_branch = _text(reply[8]) == "pinned"
+        admission = _decode(model, session_id, reply[:8], None if pinned_branch else (eligible or [None])[0])
+        pin = None
+        if pinned_branch:  # the pin as get_pin saw it, before the admission extended its expiry
+            pin = Pin(_text(reply[11]), _text(reply[12]), int(reply[9]), int(reply[10]))
+        if admission.result in (Result.PINNED, Result.NOT_PINNED):
+            return pin, None
+        return pin, admission
+
+    async def try_admit_unpinned_session_request(
+        self,
+        provider: str,
+        model: str,
+        session_id: str,
+        *,
+        lease_id: str | None = None,
+        pin_id: str | None = None,
+        now_ms: int | None = None,
+    ) -> Admission:
+        """Pin the session to `provider` and admit, or answer ALREADY_PINNED (another request
+        pinned it first) or a capacity result. New pins may not use reserved slots (the spec)."""
+        args = [provider, lease_id or new_id(), pin_id or new_id()]
+        reply = await self._call("admit_unpinned", model, session_id, args, now_ms)
+        return _decode(model, session_id, reply, provider)
+
+    async def try_admit_pinned_session_request(
+        self, model: str, session_id: str, *, lease_id: str | None = None, pin_id: str | None = None, now_ms: int | None = None
+    ) -> Admission:
+        """Admit on the session's current pin (reserved slots allowed), or SESSION_NOT_PINNED,
+        PER_SESSION_/GLOBAL_IN_FLIGHT_REQUEST_LIMIT_REACHED. `pin` is the pin seen by the script."""
+        reply = await self._call("admit_pinned", model, session_id, [lease_id or new_id()], now_ms)
+        return _decode(model, session_id, reply)
+
+    async def try_compare_and_swap_pin_and_admit_request(
+        self,
+        expected_pin: Pin,
+        model: str,
+        session_id: str,
+        provider: str,
+        *,
+        lease_id: str | None = None,
+        pin_id: str | None = None,
+        now_ms: int | None = None,
+    ) -> CasResult:
+        """Move the pin to `provider` and admit there, only if the live pin is `expected_pin`.
+
+        The expected pin's provider may no longer serve `model` in this proxy's configuration
+        (a configuration rollout): its pins key is passed as well, so the old pin stops counting
+        there at once (it is the same pin whenever the ids match)."""
+        args = [expected_pin.id, provider, lease_id or new_id(), pin_id or new_id()]
+        old_pins = (self.keys.provider_pins(model, expected_pin.provider),)
+        reply = await self._call("cas_repin", model, session_id, args, now_ms, extra_keys=old_pins)
+        admission = _decode(model, session_id, reply, provider)
+        match = PinMatch.MISMATCHED if admission.result is Result.PIN_MISMATCH else PinMatch.MATCHED
+        return CasResult(match, admission)
+
+    async def try_admit_request_without_pin(
+        self, provider: str, model: str, *, lease_id: str | None = None, pin_id: str | None = None, now_ms: int | None = None
+    ) -> Admission:
+        """Admit a temporary request (no pin) on a pair with limits; reserved slots not allowed."""
+        reply = await self._call("admit_without_pin", model, "", [provider, lease_id or new_id()], now_ms)
+        return _decode(model, None, reply, provider)
+
+    async def adopt_request_lease(self, lease: Lease, *, now_ms: int | None = None) -> Admission:
+        """Record a temporary lease granted while Redis was unreachable, without a capacity check
+        (its request already runs): from now on it counts, renews and releases like any lease."""
+        reply = await self._call("adopt", lease.model, "", [lease.provider, lease.id], now_ms)
+        return _decode(lease.model, None, reply, lease.provider)
+
+    async def renew_request_lease(self, lease: Lease, *, now_ms: int | None = None) -> LeaseUpdate:
+        """Extend a live lease by the lease timeout: RENEWED, or LEASE_LOST if it had expired."""
+        args = [lease.provider, lease.id, lease.pin_id or ""]
+        reply = await self._call("renew", lease.model, lease.session_id or "", args, now_ms)
+        return LeaseUpdate(Result(_text(reply[0])), _int_or_none(reply[7]), int(reply[1]))
+
+    async def release_request_lease(
+        self, lease: Lease, refresh_pin: bool, *, now_ms: int | None = None
+    ) -> LeaseUpdate:
+        """Release a lease; with `refresh_pin` the pin's inactivity deadline restarts. Idempotent."""
+        args = [lease.provider, lease.id, lease.pin_id or "", "1" if refresh_pin else "0"]
+        reply = await self._call("release", lease.model, lease.session_id or "", args, now_ms)
+        return LeaseUpdate(Result(_text(reply[0])), None, int(reply[1]))
+
+    async def abandon_request(
+        self, model: str, session_id: str | None, lease_id: str, pin_id: str, *, now_ms: int | None = None
+    ) -> LeaseUpdate:
+        """End whatever a decision whose answer never arrived may have admitted (lua/abandon.lua):
+        lease `lease_id` on every provider of `model` becomes an expired record (so an admission
+        with it still on its way replays as LEASE_EXPIRED and never admits), and a pin the
+        decision made under `pin_id` ends unless another lease holds it. RELEASED when a live
+        lease was found, NOT_FOUND when none (the id was never admitted). Idempotent."""
+        reply = await self._call("abandon", model, session_id or "", [lease_id, pin_id], now_ms)
+        return LeaseUpdate(Result(_text(reply[0])), None, int(reply[1]))
+
+    def has_configured_limits(self, provider: Provider, model: str) -> bool:
+        """The spec's provider_has_configured_limits."""
+        return provider.limits(model) is not None
+
+    async def _call(
+        self,
+        script: str,
+        model: str,
+        session_id: str,
+        op_args: list[object],
+        now_ms: int | None,
+        with_providers: bool = True,
+        extra_keys: tuple[str, ...] = (),
+    ) -> list:
+        keys = [
+            self.keys.pin(model, session_id),
+            self.keys.session_leases(model, session_id),
+            self.keys.session_earlier_leases(model, session_id),
+        ]
+        if with_providers:
+            keys += self._model_keys[model]
+            args = ["" if now_ms is None else now_ms, *self._model_args[model], *op_args]
+        else:
+            args = ["" if now_ms is None else now_ms, *self._timing, 0]
+        keys += extra_keys
+        if self._durable is None or script not in ADMITTING_SCRIPTS:
+            return await self._scripts[script](self.redis, keys, args)
+        reply, acked = await self._scripts[script].call_and_wait(
+            self.redis, keys, args, self._durable.replicas, self._durable.timeout_ms
+        )
+        if acked < self._durable.replicas and _text(reply[0]) == Result.ADMITTED.value:
+            self._count_not_replicated(model, acked)
+        return reply
+
+    def _count_not_replicated(self, model: str, acked: int) -> None:
+        """An admission answered without the replicas' acknowledgement: it stands (docs/routing-state.md "Durable
+        admissions"), is counted, and logged at most every NOT_REPLICATED_LOG_INTERVAL_SECONDS."""
+
+        metrics.ADMISSIONS_NOT_REPLICATED.inc()
+        self._not_replicated_since_log += 1
+        now = time.monotonic()
+        if now - self._not_replicated_logged_at >= NOT_REPLICATED_LOG_INTERVAL_SECONDS:
+            log.warning(
+                "%d admission(s) not acknowledged by %d replica(s) within %d ms (latest: model %s, %d acknowledged); "
+                "they stand, but a failover now may forget them",
+                self._not_replicated_since_log, self._durable.replicas, self._durable.timeout_ms, model, acked,
+            )
+            self._not_replicated_logged_at = now
+            self._not_replicated_since_log = 0
+
+
+def _limits_args(config: Config, model: str, providers: list[Provider]) -> list[object]:
+    """Per provider: name and the spec's four limits. The pin limit of a pair that configures
+    none is config.max_pinned_sessions_unlimited (Config.pin_limit), so the scripts bound it
+    through the spec's own PIN_LIMIT_REACHED path."""
+    out: list[object] = []
+    for provider in providers:
+        limits = provider.limits(model)
+        max_pins = _limit(config.pin_limit(provider, model)[0])
+        if limits is None:
+            out += [provider.name, max_pins, NO_LIMIT, 0, NO_LIMIT]
+            continue
+        out += [
+            provider.name,
+            max_pins,
+            _limit(limits.max_global_in_flight_request_slots),
+            limits.global_in_flight_request_slots_reserved_for_pinned_sessions,
+            _limit(limits.max_per_session_in_flight_request_slots),
+        ]
+    return out
+
+
+def _limit(value: int | None) -> int:
+    return NO_LIMIT if value is None else value
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _int_or_none(value: bytes | str | int) -> int | None:
+    return None if value in (b"", "") else int(value)
+
+
+def _decode(model: str, session_id: str | None, reply: list, lease_provider: str | None = None) -> Admission:
+    """`lease_provider`: the pair the admission targets (None: the pin's, for admit_pinned). A
+    repeated admission answers with the session's current pin, which may be on another provider
+    than the lease it replays, so the lease's provider never comes from the pin otherwise."""
+    result, now, provider, pin_id, deadline, expiry, lease_id, lease_deadline = reply
+    pin = None
+    if provider not in (b"", ""):
+        pin = Pin(_text(provider), _text(pin_id), int(deadline), int(expiry))
+    lease = None
+    result = Result(_text(result))
+    if result is Result.ADMITTED:
+        lease = Lease(
+            model=model,
+            provider=lease_provider or pin.provider,
+            id=_text(lease_id),
+            session_id=session_id if pin else None,
+            pin_id=pin.id if pin else None,
+            deadline_ms=int(lease_deadline),
+        )
+    return Admission(result, pin, lease, int(now))

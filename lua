@@ -1,0 +1,1 @@
+extproc/routing/lua

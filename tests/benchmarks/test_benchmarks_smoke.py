@@ -1,0 +1,186 @@
+"""The benchmarks run end to end on tiny inputs and print every figure (no timing is asserted).
+
+Each benchmark is run as a user would (`python -m bench.<name> --tiny --json ...`) against a real
+gateway on 127.0.0.1; the test checks the printed `FIGURE name value` lines and the JSON file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.common import default_trace_path, percentile, plain_envoy_bootstrap, pool_cluster
+from bench.peers import PEERS, Peer, unavailable
+from bench.replay import POLICIES, TraceRequest, messages_for, oracle_reused_blocks
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_bench(module: str, tmp_path: Path, *args: str, timeout: float = 240) -> tuple[dict[str, str], dict]:
+    """Run `python -m bench.<module> --tiny --json <tmp>/<module>.json ARGS`; return the printed
+    figures (name -> text) and the JSON document."""
+    out = tmp_path / f"{module}.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(
+        [sys.executable, "-m", f"bench.{module}", "--tiny", "--json", str(out), *args],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    figures = {}
+    for line in done.stdout.splitlines():
+        if line.startswith("FIGURE "):
+            _, name, value = line.split(" ", 2)
+            figures[name] = value
+    return figures, json.loads(out.read_text())
+
+
+def report_again(module: str, tmp_path: Path) -> set[str]:
+    """`python -m bench.<module> --from-json` on the saved result: the figures printed again."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", f"bench.{module}", "--from-json", str(tmp_path / f"{module}.json")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {line.split(" ")[1] for line in done.stdout.splitlines() if line.startswith("FIGURE ")}
+
+
+def assert_numbers(figures: dict[str, str], names: list[str]) -> None:
+    missing = [name for name in names if name not in figures]
+    assert not missing, f"figures missing: {missing}"
+    for name in names:  # a number, or "-" where the tiny run could not measure it (NaN)
+        assert figures[name] == "-" or math.isfinite(float(figures[name])), (name, figures[name])
+
+
+def test_overhead_prints_every_figure(tmp_path):
+    figures, result = run_bench("overhead", tmp_path)
+    names = [f"added_{p}_ms@{rate}" for rate in ("20", "50") for p in ("p50", "p90", "p99", "")]
+    names = [name.replace("added__ms", "decision_mean_ms") for name in names]
+    names += [f"extproc_cpu_ms_per_request@{rate}" for rate in ("20", "50")]
+    names += ["saturation_plain_rps", "saturation_gateway_rps", "throughput_ratio",
+              "extproc_cpu_ms_per_request", "requests_per_extproc_core_s",
+              "saturation_rps:floor", "extproc_cpu_ms_per_request:floor", "requests_per_extproc_core_s:floor"]
+    assert_numbers(figures, names)
+    for entry in result["rates"]:
+        for path in ("plain", "gateway", "floor"):
+            assert entry[path]["ok"] > 0 and entry[path]["latencies_ms"] and entry[path]["errors"] == 0
+    assert result["saturation"]["gateway"]["ok"] > 0
+    # every peer is either measured like the other paths or skipped with its reason
+    for peer in PEERS:
+        measured = peer.name in result["paths"]
+        assert measured != (peer.name in result["skipped_peers"]), peer.name
+        if measured:
+            assert all(entry[peer.name]["ok"] > 0 for entry in result["rates"])
+            assert f"saturation_rps:{peer.name}" in figures
+        else:
+            assert result["skipped_peers"][peer.name] == unavailable(peer)
+    assert report_again("overhead", tmp_path) == set(figures)
+
+
+def test_cost_prints_every_figure(tmp_path):
+    figures, result = run_bench("cost", tmp_path)
+    names = []
+    for pins in ("50", "500"):
+        for phase in ("pinned", "new"):
+            key = f"{phase}@{pins}"
+            names += [f"round_trips_per_request@{key}", f"script_calls_per_request@{key}",
+                      f"redis_commands_per_request@{key}", f"evalsha_usec_per_call@{key}",
+                      f"extproc_cpu_ms_per_request@{key}", f"requests_per_extproc_core_s@{key}"]
+            # the hot path: the fused get_pin + admission, then the release
+            names += [f"script_calls_per_request@{key}:{script}" for script in ("get_pin_and_admit", "release")]
+        names += [f"script_server_us_per_call@{pins}:{script}"
+                  for script in ("get_pin", "get_pin_and_admit/pinned", "renew", "release", "admit_pinned",
+                                 "get_pin_and_admit/new_pin", "release_new_pin", "cas_repin", "admit_unpinned",
+                                 "admit_without_pin", "adopt")]
+    assert_numbers(figures, names)
+    for run in result["runs"]:
+        assert run["preloaded"]["pins"] >= run["pins"]
+        assert run["preloaded"]["leases"] == 100
+        assert run["script_calls_per_request"] >= 2  # at least an admission and a release
+        assert run["trace"]["scripts_per_request"]["get_pin_and_admit"] == 1  # one admission per request
+
+
+def test_replay_prints_every_figure(tmp_path):
+    args = []
+    if not default_trace_path().exists():
+        args = ["--trace", str(write_small_trace(tmp_path / "trace.jsonl"))]
+    figures, result = run_bench("replay", tmp_path, *args)
+    names = ["oracle_reused_tokens", "oracle_share_of_prompt_tokens"]
+    measured = [p["policy"] for p in result["policies"]]
+    assert set(measured) | set(result["skipped_policies"]) == set(POLICIES)
+    assert set(result["skipped_policies"]) <= {peer.name for peer in PEERS}
+    for policy in measured:
+        names += [f"{key}@{policy}" for key in (
+            "reuse_share_of_oracle", "own_reuse_share_of_oracle", "third_party_requests", "third_party_decided",
+            "needless_offloads", "breaches", "worst_excess", "errors", "latency_p50_ms", "latency_p90_ms",
+            "latency_p99_ms", "ttft_p50_ms", "ttft_p99_ms", "queued_requests", "reuse_lost_moved_share_of_oracle",
+            "reuse_lost_repinned_elsewhere_share_of_oracle")]
+    assert_numbers(figures, names)
+    for policy in result["policies"]:
+        assert policy["ok"] > 0
+        assert policy["in_flight_samples"]["iris-1"]
+    assert report_again("replay", tmp_path) == set(figures)
+
+
+@pytest.mark.skipif(not (Path(sys.executable).parent / "py-spy").exists() and not shutil.which("py-spy"),
+                    reason="py-spy (the bench extra) is not installed")
+def test_profile_prints_areas(tmp_path):
+    figures, result = run_bench("profile", tmp_path)
+    assert_numbers(figures, ["profile_samples", "extproc_cpu_ms_per_request", "requests_per_extproc_core_s"])
+    assert result["thread_cpu_ms_per_request"]
+    assert result["self"] and result["areas"]
+
+
+def write_small_trace(path: Path) -> Path:
+    """A few conversations in the trace's format, for a checkout without ../shared."""
+    rows = []
+    for i in range(40):
+        conversation = i % 10
+        turn = i // 10
+        blocks = [0, 100 + conversation] + [1000 + conversation * 10 + t for t in range(turn + 1)]
+        rows.append({"timestamp": i * 100, "input_length": 512 * len(blocks), "output_length": 64, "hash_ids": blocks})
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+def test_oracle_counts_leading_blocks_seen_before():
+    def request(*blocks):
+        return TraceRequest(0.0, "u", tuple(blocks), 1, b"")
+
+    requests = [request(0, 1, 2), request(0, 1, 3), request(0, 5, 2), request(0, 1, 2, 4)]
+    # second: 0,1 hit; third: 0 hits (2 follows 5, a new prefix); fourth: 0,1,2 hit.
+    assert oracle_reused_blocks(requests) == 2 + 1 + 3
+
+
+def test_messages_of_one_conversation_share_their_leading_messages():
+    first, later = messages_for((0, 7, 8), 4), messages_for((0, 7, 8, 9), 4)
+    assert later[:3] == first
+    assert [m["role"] for m in later] == ["system", "user", "assistant", "user"]
+    assert all(len(m["content"].split()) == 4 for m in later)
+
+
+def test_plain_envoy_has_no_ext_proc_and_routes_to_the_target():
+    bootstrap = plain_envoy_bootstrap(1, 2, {"iris-1": 3}, target_cluster="pool",
+                                      extra_clusters=[pool_cluster("pool", [4, 5], "RING_HASH")],
+                                      hash_header="x-user-id")
+    manager = bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    assert [f["name"] for f in manager["http_filters"]] == ["envoy.filters.http.router"]
+    route = manager["route_config"]["virtual_hosts"][0]["routes"][-1]["route"]
+    assert route["cluster"] == "pool"
+    assert route["hash_policy"] == [{"header": {"header_name": "x-user-id"}}]
+
+
+def test_percentile_interpolates():
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile([5.0], 99) == 5.0
+    assert math.isnan(percentile([], 50))
+
+
+def test_a_peer_that_is_not_installed_is_reported_not_started():
+    missing = Peer("nothing", "no-such-router-program", "round_robin", "warn")
+    assert "no-such-router-program" in unavailable(missing)

@@ -1,0 +1,161 @@
+"""deploy/kubernetes (issue 13), validated offline: the core resources against the Kubernetes
+schemas that `kubernetes-validate` bundles, the Envoy Gateway EnvoyExtensionPolicy against
+tests/packaging/schemas/envoyextensionpolicy.schema.json (the CRD's fields we use, with its types, enums and
+patterns), the Istio EnvoyFilter against envoy/envoy.yaml's ext_proc filter, and the timeouts
+against the routing file's decision bound."""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from pathlib import Path
+
+import grpc
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from extproc.config import load_config
+from irislab.local_gateway import LocalGateway
+from tests.support.gateway import gateway_config
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy" / "kubernetes"
+KUBERNETES_VERSION = "1.30.0"
+
+
+def documents(path: Path) -> list[dict]:
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+def seconds(duration: str) -> float:
+    """A Kubernetes/Envoy duration such as 5s, 250ms or 1m30s, in seconds."""
+    units = {"h": 3600, "m": 60, "s": 1, "ms": 0.001}
+    parts = re.findall(r"([0-9.]+)(ms|h|m|s)", duration)
+    assert "".join(n + u for n, u in parts) == duration, duration
+    return sum(float(n) * units[u] for n, u in parts)
+
+
+def envoy_ext_proc() -> dict:
+    bootstrap = yaml.safe_load((ROOT / "envoy" / "envoy.yaml").read_text())
+    for listener in bootstrap["static_resources"]["listeners"]:
+        for chain in listener["filter_chains"]:
+            for network_filter in chain["filters"]:
+                for http_filter in network_filter["typed_config"].get("http_filters", []):
+                    if http_filter["name"] == "envoy.filters.http.ext_proc":
+                        return http_filter["typed_config"]
+    raise AssertionError("no ext_proc filter in envoy/envoy.yaml")
+
+
+def kustomization() -> dict:
+    return yaml.safe_load((DEPLOY / "kustomization.yaml").read_text())
+
+
+def core_resources() -> list[dict]:
+    return [doc for name in kustomization()["resources"] for doc in documents(DEPLOY / name)]
+
+
+def by_kind(kind: str) -> dict:
+    return next(doc for doc in core_resources() if doc["kind"] == kind)
+
+
+def routing_config():
+    files = [f for generator in kustomization()["configMapGenerator"] for f in generator["files"]]
+    assert files == ["routing.yaml"]
+    return load_config(DEPLOY / "routing.yaml")
+
+
+def test_core_resources_match_the_kubernetes_schemas():
+    resources = core_resources()
+    assert {doc["kind"] for doc in resources} == {"Namespace", "Secret", "Deployment", "Service", "PodDisruptionBudget"}
+    for doc in resources:
+        kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+
+
+def test_the_validator_rejects_a_broken_deployment():
+    broken = copy.deepcopy(by_kind("Deployment"))
+    broken["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["grpc"]["port"] = "grpc"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, KUBERNETES_VERSION, strict=True)
+
+
+def test_deployment_probes_secrets_and_drain_fit_the_server():
+    config = routing_config()
+    deployment = by_kind("Deployment")
+    pod = deployment["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    port = int(config.server.listen.rsplit(":", 1)[1])
+    assert container["readinessProbe"]["grpc"] == {"port": port, "service": "envoy.service.ext_proc.v3.ExternalProcessor"}
+    assert container["livenessProbe"]["grpc"] == {"port": port, "service": ""}
+    assert pod["terminationGracePeriodSeconds"] > config.server.drain_delay_seconds + config.server.drain_grace_seconds
+    secrets = {doc["metadata"]["name"]: doc for doc in core_resources() if doc["kind"] == "Secret"}
+    from_secrets = {key for ref in container["envFrom"] for key in secrets[ref["secretRef"]["name"]]["stringData"]}
+    needed = {config.session.secret_env, config.redis.password_env}
+    needed |= {p.credentials.api_key_env for p in config.providers if p.credentials and p.credentials.api_key_env}
+    assert needed <= from_secrets
+    assert {"name": "routing", "configMap": {"name": "iris-routing"}} in pod["volumes"]
+    assert container["args"][:3] == ["serve", "--config", "/etc/iris/routing.yaml"]
+    assert by_kind("PodDisruptionBudget")["spec"]["selector"] == deployment["spec"]["selector"]
+
+
+
+def health_status(port: int, service: str):
+    """grpc.health.v1.Health/Check on 127.0.0.1:`port` over a new channel: the status, or the
+    grpc.StatusCode of the error."""
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        try:
+            return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+        except grpc.RpcError as error:
+            return error.code()
+
+
+def test_probe_service_names_are_the_ones_the_server_serves(tmp_path):
+    """The Deployment's gRPC probes ask a running server (started with the Deployment's
+    `--workers` argument) for services it knows and reports SERVING; a name it does not serve
+    would answer NOT_FOUND and the pod would never be ready."""
+    container = by_kind("Deployment")["spec"]["template"]["spec"]["containers"][0]
+    probes = {kind: container[kind]["grpc"]["service"] for kind in ("livenessProbe", "readinessProbe", "startupProbe")}
+    workers = container["args"][container["args"].index("--workers"):][:2]
+    with LocalGateway(config_data=gateway_config(), work_dir=tmp_path, extproc_args=workers) as gateway:
+        port = gateway.running[0].extproc.port
+        for kind, service in probes.items():
+            for _ in range(4):  # new connections, so more than one worker is likely asked
+                assert health_status(port, service) == health_pb2.HealthCheckResponse.SERVING, (kind, service)
+        assert health_status(port, "envoy.service.ext_proc.v3.ExternalProcesor") == grpc.StatusCode.NOT_FOUND
+
+def test_envoy_extension_policy_matches_the_schema_and_the_decision_bound():
+    schema = json.loads((ROOT / "tests" / "packaging" / "schemas" / "envoyextensionpolicy.schema.json").read_text())
+    (policy,) = documents(DEPLOY / "envoy-gateway" / "envoy-extension-policy.yaml")
+    jsonschema.validate(policy, schema)
+    ext_proc = policy["spec"]["extProc"][0]
+    assert seconds(ext_proc["messageTimeout"]) > routing_config().server.decision_timeout_seconds
+    assert seconds(ext_proc["messageTimeout"]) == seconds(envoy_ext_proc()["message_timeout"])
+    assert ext_proc["failOpen"] is envoy_ext_proc()["failure_mode_allow"] is False
+    assert ext_proc["processingMode"] == {"request": {"body": "Buffered"}, "response": {}}
+    service = by_kind("Service")
+    assert ext_proc["backendRefs"] == [{"name": service["metadata"]["name"], "namespace": kustomization()["namespace"],
+                                        "port": service["spec"]["ports"][0]["port"]}]
+    for field, bad in (("messageTimeout", "200 millis"), ("processingMode", {"request": {"body": "BUFFERED"}})):
+        broken = copy.deepcopy(policy)
+        broken["spec"]["extProc"][0][field] = bad
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(broken, schema)
+
+
+def test_istio_envoy_filter_carries_envoy_yaml_ext_proc_settings():
+    (envoy_filter,) = documents(DEPLOY / "istio" / "envoy-filter.yaml")
+    assert envoy_filter["apiVersion"] == "networking.istio.io/v1alpha3" and envoy_filter["kind"] == "EnvoyFilter"
+    (patch,) = envoy_filter["spec"]["configPatches"]
+    assert patch["applyTo"] == "HTTP_FILTER" and patch["patch"]["operation"] == "INSERT_BEFORE"
+    assert patch["match"]["listener"]["filterChain"]["filter"]["subFilter"] == {"name": "envoy.filters.http.router"}
+    ours, reference = patch["patch"]["value"]["typed_config"], envoy_ext_proc()
+    for field in ("@type", "failure_mode_allow", "message_timeout", "processing_mode", "allow_mode_override", "allowed_override_modes",
+                  "response_attributes"):
+        assert ours[field] == reference[field], field
+    service = by_kind("Service")
+    port = service["spec"]["ports"][0]["port"]
+    assert ours["grpc_service"]["envoy_grpc"]["cluster_name"] == \
+        f"outbound|{port}||{service['metadata']['name']}.{kustomization()['namespace']}.svc.cluster.local"

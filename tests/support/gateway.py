@@ -1,0 +1,134 @@
+"""Helpers for tests that run a whole gateway (real Envoy, real Redis, simulated providers)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+from irislab.local_gateway import LocalGateway, ProviderSimulation
+
+MODEL = "llama-3.1-70b"
+
+LIMITS = {
+    "max_pinned_sessions": 2,
+    "max_global_in_flight_request_slots": 3,
+    "global_in_flight_request_slots_reserved_for_pinned_sessions": 1,
+    "max_per_session_in_flight_request_slots": 1,
+}
+
+
+def gateway_config(**overrides) -> dict:
+    """Two own providers with small limits and a third party, for model MODEL and embeddings."""
+    config = {
+        "lease_timeout_seconds": 30,
+        "redis": {"key_prefix": "e2e"},
+        # The tests stand in for an authenticating filter: their x-user-id is the trusted identity
+        # (envoy.yaml strips only x-iris-user, the example config's trusted header).
+        "session": {"trusted_identity_headers": ["x-user-id"]},
+        "server": {"expose_routing_headers": True, "max_body_bytes": 16 * 1024 * 1024},
+        "providers": [
+            {"name": "iris-1", "kind": "managed", "cluster": "iris-1",
+             "models": {MODEL: {"features": ["chat", "completions", "tools"], "limits": LIMITS},
+                        "bge-m3": {"features": ["embeddings"], "limits": {"max_global_in_flight_request_slots": 8}},
+                        "solo": {"features": ["chat"], "limits": {"max_pinned_sessions": 1}}}},
+            {"name": "iris-2", "kind": "managed", "cluster": "iris-2",
+             "models": {MODEL: {"features": ["chat", "completions"], "limits": LIMITS}}},
+            {"name": "tensorx", "kind": "unlimited", "cluster": "tensorx",
+             "models": {MODEL: {"features": ["chat", "completions", "tools", "vision"]},
+                        "bge-m3": {"features": ["embeddings"]}}},
+        ],
+    }
+    config.update(overrides)
+    return config
+
+
+def start_gateway(tmp_path, instances: int = 1, envoy_source: Path | None = None, **overrides) -> LocalGateway:
+    """A gateway with gateway_config(**overrides); `envoy_source`: another envoy.yaml to run."""
+    sims = {name: ProviderSimulation(ttft_ms=5, per_token_ms=20, block_tokens=8) for name in ("iris-1", "iris-2", "tensorx")}
+    extra = {} if envoy_source is None else {"envoy_source": envoy_source}
+    gateway = LocalGateway(config_data=gateway_config(**overrides), instances=instances, simulations=sims,
+                           work_dir=tmp_path, **extra)
+    gateway.__enter__()
+    return gateway
+
+
+def redis_client(gateway: LocalGateway) -> redis.Redis:
+    return redis.Redis.from_url(gateway.redis_url)
+
+
+def clear_routing_state(client: redis.Redis) -> None:
+    """Delete every key but the epoch (test-only: uses KEYS): an empty routing state between
+    tests that the running instances do not take for a Redis that lost its state, which would
+    start the epoch grace (docs/routing-state.md "When Redis is gone")."""
+    doomed = [key for key in client.keys("*") if not key.endswith(b":epoch")]
+    if doomed:
+        client.delete(*doomed)
+
+
+def live_leases(client: redis.Redis) -> int:
+    """Live request leases over every provider and model (test-only: uses KEYS)."""
+    seconds, micros = client.time()
+    now = seconds * 1000 + micros // 1000
+    return sum(client.zcount(key, f"({now}", "+inf") for key in client.keys("*:leases:*"))
+
+
+def wait_for_no_leases(client: redis.Redis, within_seconds: float) -> int:
+    """Poll until no live lease is left or `within_seconds` passed; returns the last count."""
+    deadline = time.monotonic() + within_seconds
+    while True:
+        count = live_leases(client)
+        if count == 0 or time.monotonic() > deadline:
+            return count
+        time.sleep(0.02)
+
+
+def chat_body(user_text: str, max_tokens: int = 2, stream: bool = False, **extra) -> dict:
+    return {
+        "model": MODEL,
+        "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": user_text}],
+        "max_tokens": max_tokens,
+        "stream": stream,
+        **extra,
+    }
+
+
+def post(gateway: LocalGateway, path: str, user: str = "u", instance: int = 0, **kwargs) -> httpx.Response:
+    headers = {"x-user-id": user, **kwargs.pop("headers", {})}
+    return httpx.post(f"{gateway.running[instance].url}{path}", headers=headers, timeout=30, **kwargs)
+
+
+def provider_stats(gateway: LocalGateway, name: str) -> dict:
+    return httpx.get(f"{gateway.provider_url(name)}/stats", timeout=5).json()
+
+
+def self_signed_certificate(directory: Path, host: str = "localhost") -> tuple[Path, Path]:
+    """A self-signed certificate for `host` (P-256, one day) and its key, made with the openssl
+    command: (cert.pem, key.pem) in `directory`. Skips the test when openssl is missing."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("the openssl command is needed to make a test certificate")
+    cert, key = directory / "cert.pem", directory / "key.pem"
+    subprocess.run(
+        [openssl, "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+         "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", f"/CN={host}",
+         "-addext", f"subjectAltName=DNS:{host}"],
+        check=True, capture_output=True,
+    )
+    return cert, key
+
+
+def wait_until(predicate, within_seconds: float, interval_seconds: float = 0.02):
+    """Poll `predicate` until it returns something truthy (returned) or `within_seconds` pass
+    (then the last falsy value is returned)."""
+    deadline = time.monotonic() + within_seconds
+    while True:
+        value = predicate()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(interval_seconds)

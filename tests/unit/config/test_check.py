@@ -1,0 +1,155 @@
+"""`iris-extproc check` and the one-line CLI errors (issue 12): the routing config against the
+Envoy file, through the real command; missing and invalid files everywhere in the CLI give one
+line and no traceback; a failed start of a local gateway stops every process it started."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from extproc.config import envoy_check, parse_config
+from extproc.config.examples import envoy_yaml, example_config
+from irislab.local_gateway import GatewayConfigError, LocalGateway
+from irislab.processes import ProcessError
+
+ENVOY = envoy_yaml()
+EXAMPLE = example_config()
+
+
+def cli(*args: str, cwd=None) -> subprocess.CompletedProcess:
+    """`iris-extproc ARGS`, or `iris-lab up ...` (irislab.cli) when ARGS start with `up`."""
+    module = "irislab.cli" if args and args[0] == "up" else "extproc.cli"
+    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=120, cwd=cwd)
+
+
+def example() -> dict:
+    return yaml.safe_load(EXAMPLE.read_text())
+
+
+def write(path, data) -> str:
+    path.write_text(data if isinstance(data, str) else yaml.safe_dump(data, sort_keys=False))
+    return str(path)
+
+
+def test_the_shipped_pair_agrees():
+    result = cli("check", "--config", str(EXAMPLE), "--envoy", str(ENVOY))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.startswith("ok: ")
+
+
+def test_every_disagreement_is_named(tmp_path):
+    data = example()
+    data["providers"].append({"name": "iris-3", "kind": "managed", "cluster": "iris-3", "models": {"m": {"features": ["chat"]}}})
+    data["providers"][0]["health_check"]["url"] = "http://10.1.2.3:8001/health"
+    data["providers"][1]["load"]["url"] = "http://127.0.0.1:9999/metrics"
+    data["server"]["routing_header"] = "x-route"
+    data["server"]["listen"] = "127.0.0.1:6000"
+    result = cli("check", "--config", write(tmp_path / "r.yaml", data), "--envoy", str(ENVOY))
+    assert result.returncode == 1
+    lines = result.stdout.splitlines()
+    assert "disagree" in lines[0]
+    problems = [line.strip() for line in lines[1:]]
+    assert any(p.startswith("provider iris-3: cluster 'iris-3' is not a cluster of") for p in problems)
+    assert any("cluster_header is 'x-iris-cluster' but server.routing_header is 'x-route'" in p for p in problems)
+    assert any("no early header mutation removes 'x-route'" in p for p in problems)
+    assert any("reaches port 50051 but server.listen is '127.0.0.1:6000'" in p for p in problems)
+    assert any(p.startswith("provider iris-1: health_check.url 'http://10.1.2.3:8001/health' is not on cluster 'iris-1'") for p in problems)
+    assert any(p.startswith("provider iris-2: load.url 'http://127.0.0.1:9999/metrics' is not on cluster 'iris-2'") for p in problems)
+    assert len(problems) == 6, problems
+    assert "Traceback" not in result.stdout + result.stderr
+
+
+def test_the_envoy_side_of_the_header():
+    config = parse_config(example())
+    bootstrap = yaml.safe_load(ENVOY.read_text())
+    manager = bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    manager["early_header_mutation_extensions"] = []
+    manager["route_config"]["virtual_hosts"][0]["routes"][0]["route"]["cluster_header"] = "x-other"
+    problems = envoy_check.check(config, bootstrap)
+    assert len(problems) == 2 and "x-other" in problems[0] and "no early header mutation" in problems[1]
+    assert envoy_check.check(config, {"static_resources": "nonsense"}) != []  # a shape, never an exception
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["check", "--config", "{missing}", "--envoy", "{envoy}"],
+        ["check", "--config", "{example}", "--envoy", "{missing}"],
+        ["check", "--config", "{bad_yaml}", "--envoy", "{envoy}"],
+        ["check", "--config", "{example}", "--envoy", "{bad_yaml}"],
+        ["check", "--config", "{invalid}", "--envoy", "{envoy}"],
+        ["check", "--config", "{binary}", "--envoy", "{binary}"],
+        ["serve", "--config", "{missing}"],
+        ["serve", "--config", "{example}", "--envoy", "{missing}"],
+        ["serve", "--config", "{disagreeing}", "--envoy", "{envoy}"],
+        ["up", "--config", "{missing}"],
+        ["up", "--envoy", "{bad_yaml}"],
+        ["up", "--config", "{disagreeing}"],
+        ["status", "--config", "{missing}"],
+        ["status", "--config", "{directory}"],
+        ["drain", "iris-1", "--config", "{invalid}"],
+        ["undrain", "iris-1", "--config", "{bad_yaml}"],
+    ],
+)
+def test_missing_and_invalid_files_are_one_line_errors(tmp_path, command):
+    disagreeing = example()
+    disagreeing["providers"][2]["cluster"] = "tensorx-eu"
+    invalid = example()
+    invalid["providers"][0]["models"]["llama-3.1-70b"]["limits"]["max_pinned_sessions"] = -1
+    files = {
+        "missing": str(tmp_path / "nope.yaml"),
+        "envoy": str(ENVOY),
+        "example": str(EXAMPLE),
+        "bad_yaml": write(tmp_path / "bad.yaml", "providers: [\n"),
+        "invalid": write(tmp_path / "invalid.yaml", invalid),
+        "disagreeing": write(tmp_path / "disagreeing.yaml", disagreeing),
+        "directory": str(tmp_path),
+    }
+    (tmp_path / "binary.yaml").write_bytes(b"\xff\xfe\x00garbage")
+    files["binary"] = str(tmp_path / "binary.yaml")
+    result = cli(*[part.format(**files) for part in command], cwd=tmp_path)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr and result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    if lines[0].startswith("invalid configuration") or "disagree" in lines[0]:
+        assert len(lines) >= 2 and all(line.startswith("  ") for line in lines[1:])  # one line per problem
+    else:
+        assert len(lines) == 1, lines
+        assert lines[0].startswith("iris-lab: " if command[0] == "up" else "iris-extproc: ")
+
+
+def test_drain_of_a_model_a_provider_does_not_serve_names_what_it_serves():
+    """Answered from the configuration, before any Redis call (the example's Redis is not running)."""
+    managed = cli("drain", "iris-1", "--model", "nosuch", "--config", str(EXAMPLE))
+    assert managed.returncode == 1 and managed.stdout == ""
+    assert managed.stderr.strip() == "iris-extproc: iris-1 serves no model 'nosuch' (it serves: llama-3.1-70b, bge-m3)"
+    unlimited = cli("undrain", "tensorx", "--config", str(EXAMPLE))
+    assert unlimited.returncode == 1
+    assert unlimited.stderr.strip() == "iris-extproc: tensorx has no managed model: unlimited providers are never degraded"
+
+
+def test_the_local_gateway_refuses_a_provider_missing_from_the_envoy_file(tmp_path):
+    data = example()
+    data["providers"].append({"name": "iris-3", "kind": "managed", "cluster": "iris-3", "models": {"m": {"features": ["chat"]}}})
+    gateway = LocalGateway(config_data=data, work_dir=tmp_path)
+    with pytest.raises(GatewayConfigError, match="iris-3"):
+        gateway.__enter__()
+    assert gateway.started == []
+
+
+def test_a_failed_start_stops_every_process_it_started(tmp_path):
+    """Envoy refuses its file after Redis, the providers and the ext_proc server are up: none of
+    them is left running (it used to leave an orphan ext_proc server)."""
+    bootstrap = yaml.safe_load(ENVOY.read_text())
+    bootstrap["admin"]["no_such_field"] = True  # envoy_check has nothing against it; Envoy has
+    broken = tmp_path / "envoy.yaml"
+    write(broken, bootstrap)
+    gateway = LocalGateway(envoy_source=broken, work_dir=tmp_path / "gw")
+    with pytest.raises(ProcessError, match="envoy-0 did not start"):
+        gateway.__enter__()
+    names = [p.name for p in gateway.started]
+    assert "extproc-0" in names and "envoy-0" in names and len(names) == 6  # redis, 3 providers, extproc, envoy
+    assert not any(p.alive() for p in gateway.started)

@@ -1,0 +1,156 @@
+"""The lease table (extproc.routing.lease_table) over a real Redis: renewal, release, loss only when
+Redis saw a lease expire, adoption when Redis lost it, abandonment, pool exhaustion."""
+
+from __future__ import annotations
+
+import asyncio
+
+from prometheus_client import REGISTRY
+
+from extproc.config import parse_config
+from extproc.routing.degraded import DegradedFlags
+from extproc.routing.lease_table import Held, LeaseTable, Refusal
+from extproc.routing.outage import InstanceRegistry, OutagePolicy, RedisBreaker
+from extproc.routing.router import Router, RoutingRequest
+from extproc.routing.state import RoutingState, connect
+from irislab.processes import start_redis
+from tests.support.configs import small_config_data
+
+
+def chat(session: str | None) -> RoutingRequest:
+    return RoutingRequest("m", "chat", frozenset(), session)
+
+
+def make_table(client, redis_url, **overrides) -> LeaseTable:
+    config = parse_config(small_config_data(redis_url, lease_timeout_seconds=0.3, **overrides))
+    state = RoutingState(client, config)
+    router = Router(config, state, DegradedFlags(client, config))
+    registry = InstanceRegistry(client, config.redis.key_prefix)
+    table = LeaseTable(config, state, router, OutagePolicy(config, router, registry), RedisBreaker(client, 3))
+    table.start()
+    return table
+
+
+async def live(redis, table: LeaseTable, provider: str = "iris-1") -> int:
+    seconds, micros = await redis.time()
+    return await redis.zcount(table.state.keys.provider_leases("m", provider), f"({seconds * 1000 + micros // 1000}", "+inf")
+
+
+async def wait_for(predicate, seconds: float = 5.0) -> bool:
+    for _ in range(int(seconds / 0.02)):
+        if await predicate():
+            return True
+        await asyncio.sleep(0.02)
+    return False
+
+
+async def test_renews_and_releases_once(redis_url, redis_client):
+    table = make_table(redis_client, redis_url)
+    await table.refresh_epoch()
+    held = await table.decide(chat("s"))
+    assert isinstance(held, Held)
+    await asyncio.sleep(1.0)  # > 3 lease timeouts: only renewals keep it alive
+    assert await live(redis_client, table) == 1
+    table.end(held, succeeded=True)
+    table.end(held, succeeded=True)
+    await table.drain()
+    assert not held.lost.is_set()
+    assert await redis_client.zcard(table.state.keys.provider_leases("m", "iris-1")) == 0
+
+
+async def test_a_lease_redis_saw_expire_is_lost(redis_url, redis_client):
+    table = make_table(redis_client, redis_url)
+    await table.refresh_epoch()
+    held = await table.decide(chat("s"))
+    seconds, _ = await redis_client.time()
+    await redis_client.zadd(table.state.keys.provider_leases("m", "iris-1"), {held.lease.id: seconds * 1000 - 1000}, xx=True)
+    await asyncio.wait_for(held.lost.wait(), timeout=5)
+    table.end(held, succeeded=True)
+    await table.drain()
+
+
+async def test_a_lease_redis_lost_is_adopted_and_its_request_keeps_running(redis_url, redis_client):
+    table = make_table(redis_client, redis_url)
+    await table.refresh_epoch()
+    held = await table.decide(chat("s"))
+    await redis_client.flushall()  # as a restart without persistence would: the epoch goes too
+    assert await wait_for(lambda: _is(live(redis_client, table), 1))
+    await asyncio.sleep(0.5)  # more renewals, now of the adopted lease
+    assert not held.lost.is_set()
+    assert await live(redis_client, table) == 1
+    table.end(held, succeeded=True)
+    await table.drain()
+    assert await live(redis_client, table) == 0
+
+
+async def test_a_decision_timed_out_on_a_stalled_redis_leaves_nothing_once_it_answers(tmp_path):
+    """Issue 10, item 1: the admissions sent to a Redis whose writes are paused (CLIENT PAUSE
+    WRITE: the epoch read each decision makes first is answered, the admission script stalls)
+    run when it resumes; the abandonment of their ids (queued when the decisions timed out into
+    the outage path) ends them, whichever arrives first (the ids are tombstones)."""
+    process = start_redis(tmp_path)
+    url = f"redis://127.0.0.1:{process.port}/0"
+    redis = connect(url, timeout_seconds=0.2)
+    try:
+        table = make_table(redis, url, redis={"url": url, "key_prefix": "t", "socket_timeout_seconds": 0.2})
+        await table.refresh_epoch()
+        abandoned_before = REGISTRY.get_sample_value("iris_decisions_abandoned_total") or 0
+        control = connect(url, timeout_seconds=2.0)
+        await control.execute_command("CLIENT", "PAUSE", 1000, "WRITE")
+        try:
+            outcomes = await asyncio.gather(*(table.decide(chat(f"s{i}")) for i in range(5)))
+        finally:
+            await control.execute_command("CLIENT", "UNPAUSE")
+            await control.aclose()
+        assert all(isinstance(o, Held) and o.decision.provider.name == "tensorx" for o in outcomes)  # the outage path
+        assert REGISTRY.get_sample_value("iris_decisions_abandoned_total") - abandoned_before == 5  # sent, then abandoned
+        assert await wait_for(lambda: _is_zero(table.pending_abandonments))
+        await asyncio.sleep(0.2)
+        assert await live(redis, table, "iris-1") == 0
+        assert [k for k in await redis.keys("*") if b":pin:" in k] == []
+        for held in outcomes:
+            table.end(held, succeeded=True)
+        await table.drain()
+    finally:
+        await redis.aclose()
+        process.stop()
+
+
+async def test_an_admission_read_with_a_changed_epoch_keeps_nothing(redis_url, redis_client):
+    """The epoch is read alongside the admission, not before it: when that read finds Redis lost
+    its state (here the epoch key is gone, as after a flush), what the admission wrote is
+    abandoned and the decision follows the epoch grace (unlimited pairs only)."""
+    table = make_table(redis_client, redis_url)
+    await table.refresh_epoch()
+    await redis_client.delete(table._epoch_key)
+    outcome = await table.decide(chat("s"))
+    assert isinstance(outcome, Held) and outcome.decision.provider.name == "tensorx"
+    assert table.rebuilding
+    assert await wait_for(lambda: _is_zero(table.pending_abandonments))
+    for provider in ("iris-1", "iris-2"):
+        assert await live(redis_client, table, provider) == 0  # abandoned: an expired record at most
+    assert [k for k in await redis_client.keys("*") if b":pin:" in k] == []
+    table.end(outcome, succeeded=True)
+    await table.drain()
+
+
+async def test_pool_exhaustion_is_overload_and_keeps_the_breaker_closed(redis_url, redis_client):
+    busy = connect(redis_url, timeout_seconds=0.2, max_connections=1)
+    table = make_table(busy, redis_url, redis={"url": redis_url, "key_prefix": "t", "socket_timeout_seconds": 0.2})
+    await busy.ping()
+    taken = await busy.connection_pool.get_connection()  # as a busy process's calls would hold it
+    outcomes = [await table.decide(chat(f"s{i}")) for i in range(5)]
+    assert outcomes == [Refusal.OVERLOADED] * 5
+    assert not table.breaker.is_open
+    await busy.connection_pool.release(taken)
+    assert isinstance(await table.decide(chat("after")), Held)
+    await table.drain()
+    await busy.aclose()
+
+
+async def _is(awaitable, value) -> bool:
+    return (await awaitable) == value
+
+
+async def _is_zero(value) -> bool:
+    return value == 0
