@@ -5,6 +5,7 @@
     iris-extproc undrain PROVIDER [--model M] clear that mark (automatic flags stay)
     iris-extproc status [--json]              per pair: in-flight/limit, pins/limit, state and why
     iris-extproc check --config F --envoy F   does the routing config agree with the Envoy file?
+    iris-extproc envoy-config --config F      the Envoy file rendered from the routing config
 
 A whole local gateway for trying it (Redis, Envoy, simulated providers) is the lab's command,
 `iris-lab up` (irislab.cli), not this one.
@@ -16,9 +17,11 @@ import argparse
 import asyncio
 import logging
 import sys
+from pathlib import Path
 
 from extproc.config import Config, ConfigError, ProviderKind, envoy_check, load_config
 from extproc.config.envoy_check import EnvoyConfigError
+from extproc.config.examples import envoy_yaml
 from extproc.routing.degraded import DEFAULT_MANUAL_TTL_SECONDS, MANUAL, DegradedFlags
 from extproc.storage.client import open_redis
 
@@ -79,6 +82,12 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("--envoy", required=True)
     check.set_defaults(func=_check)
 
+    render = commands.add_parser("envoy-config", help="render the Envoy bootstrap from a routing config (providers' endpoints)")
+    render.add_argument("--config", required=True)
+    render.add_argument("--template", help="the bootstrap to start from (default: the shipped envoy/envoy.yaml)")
+    render.add_argument("--output", help="write it here (default: standard output)")
+    render.set_defaults(func=_envoy_config)
+
     for name, helptext in (("drain", "mark a provider degraded (new traffic avoids it)"), ("undrain", "clear a drain")):
         cmd = commands.add_parser(name, help=helptext)
         cmd.add_argument("provider")
@@ -126,6 +135,33 @@ def _serve(args) -> int:
     except (SecretMissing, CredentialError, PairDisagrees) as exc:
         print(f"iris-extproc: {exc}", file=sys.stderr)
         return 2
+    return 0
+
+
+def _envoy_config(args) -> int:
+    """Render the bootstrap, check it against the config, print or write it. Exit code 2 when
+    the template cannot carry the config, 1 when the result disagrees with it (a bug)."""
+    import yaml
+
+    from extproc.config.envoy_render import RenderError, render
+
+    config = load_config(args.config)
+    template = envoy_check.load_bootstrap(args.template or envoy_yaml())
+    try:
+        bootstrap = render(config, template)
+    except RenderError as exc:
+        print(f"iris-extproc: {exc}", file=sys.stderr)
+        return 2
+    problems = envoy_check.check(config, bootstrap, "the rendered bootstrap")
+    if problems:
+        print("iris-extproc: the rendered bootstrap disagrees with the config:\n  " + "\n  ".join(problems), file=sys.stderr)
+        return 1
+    text = f"# Rendered by `iris-extproc envoy-config --config {args.config}`: edit the routing config, not this file.\n"
+    text += yaml.safe_dump(bootstrap, sort_keys=False)
+    if args.output:
+        Path(args.output).write_text(text)
+    else:
+        sys.stdout.write(text)
     return 0
 
 

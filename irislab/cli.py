@@ -2,6 +2,8 @@
 
     iris-lab up [--config F] [--envoy F]         Redis, Envoy, ext_proc and simulated providers
     iris-lab up --demo [--exit-after-demo]       the same, driving a multi-turn conversation
+    iris-lab up --config F --real-providers      Redis, Envoy and ext_proc only, in front of the
+                                                 providers' `endpoints` (your own engines)
 
 `./dev up` and `./dev demo` run it. The production command is `iris-extproc` (extproc.cli).
 """
@@ -54,6 +56,9 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--envoy", help="Envoy file (default: envoy/envoy.yaml); its ports are moved onto free ones")
     up.add_argument("--demo", action="store_true", help="drive a multi-turn conversation through it, then keep running")
     up.add_argument("--exit-after-demo", action="store_true", help="with --demo: stop once the conversation is done")
+    up.add_argument("--real-providers", action="store_true",
+                    help="reach every provider that has `endpoints` in the config there (no simulator), through the Envoy "
+                         "bootstrap `iris-extproc envoy-config` renders")
     up.set_defaults(func=_up)
     return parser
 
@@ -62,15 +67,17 @@ def _up(args) -> int:
     config_path = args.config or str(example_config())
     envoy_path = args.envoy or str(envoy_yaml())
     config = load_config(config_path)
-    try:
-        check_pair(config, config_path, envoy_path)
-    except PairDisagrees as exc:
-        print(f"iris-lab: nothing started: {exc}", file=sys.stderr)
-        return 2
+    if not args.real_providers:
+        try:
+            check_pair(config, config_path, envoy_path)
+        except PairDisagrees as exc:
+            print(f"iris-lab: nothing started: {exc}", file=sys.stderr)
+            return 2
     data = yaml.safe_load(open(config_path, encoding="utf-8"))
     simulation = ProviderSimulation(ttft_ms=30, per_token_ms=10, block_tokens=16)
     try:
-        gateway = LocalGateway(config_data=data, default_simulation=simulation, envoy_source=Path(envoy_path)).__enter__()
+        gateway = LocalGateway(config_data=data, default_simulation=simulation, envoy_source=Path(envoy_path),
+                               real_providers=args.real_providers).__enter__()
     except ProcessError as exc:  # __enter__ stopped whatever it had started
         print(f"iris-lab: the local gateway did not start, everything it started is stopped: {exc}", file=sys.stderr)
         return 1

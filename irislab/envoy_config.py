@@ -50,7 +50,13 @@ def render(
     one endpoint per port (several ext_proc servers behind one Envoy), each a copy of the first
     endpoint. Clusters not named keep their addresses. Raises KeyError when `cluster_ports`
     names a cluster the file lacks."""
-    bootstrap = load_envoy_yaml(source)
+    bootstrap = render_onto(load_envoy_yaml(source), listener_port, admin_port, cluster_ports)
+    bootstrap["static_resources"]["clusters"].extend(extra_clusters or [])
+    return bootstrap
+
+
+def render_onto(bootstrap: dict[str, Any], listener_port: int, admin_port: int, cluster_ports: dict[str, int | list[int]]) -> dict[str, Any]:
+    """`render` on a bootstrap already loaded (modified in place and returned)."""
     bootstrap["admin"]["address"]["socket_address"]["port_value"] = admin_port
     bootstrap["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"] = listener_port
     clusters = {c["name"]: c for c in bootstrap["static_resources"]["clusters"]}
@@ -69,7 +75,6 @@ def render(
                 address = endpoint["endpoint"]["address"]["socket_address"]
                 address["address"] = "localhost" if dns else "127.0.0.1"
                 address["port_value"] = ports[index] if isinstance(ports, list) else ports
-    bootstrap["static_resources"]["clusters"].extend(extra_clusters or [])
     return bootstrap
 
 

@@ -19,7 +19,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import yaml
 
-from extproc.config import Config, Provider, envoy_check, parse_config
+from extproc.config import Config, Provider, envoy_check, envoy_render, parse_config
 from extproc.config.examples import example_config
 from irislab import envoy_config
 from irislab.processes import (
@@ -113,7 +113,15 @@ class LocalGateway(StartedTogether):
     `default_simulation`.
     `env`: extra environment for the ext_proc servers (for example provider API keys).
     `extproc_servers`: ext_proc servers behind each Envoy (the endpoints of its `extproc`
-    cluster, health-checked by Envoy), sharing the instance's Redis and providers."""
+    cluster, health-checked by Envoy), sharing the instance's Redis and providers.
+    `replicas`: per provider name, how many simulators make its pool (default 1): each replica is
+    an endpoint of the provider's cluster (and of its `sessionless_cluster`), named
+    `<provider>-r<i>` in `x-simulator-name`. `engines`: per provider name, the base URLs of
+    servers already running on 127.0.0.1 (real engines: llama-server) that make its pool instead
+    of simulators; the config's health-check and load URLs of such a provider are kept as given.
+    `real_providers`: every provider with `endpoints` in the config is reached there, through
+    the bootstrap `iris-extproc envoy-config` renders (extproc.config.envoy_render), and gets no
+    simulator; the others are simulated as usual."""
 
     config_data: dict[str, Any] | None = None
     instances: int = 1
@@ -126,12 +134,16 @@ class LocalGateway(StartedTogether):
     envoy_source: Path = envoy_config.DEFAULT_ENVOY_YAML
     extproc_args: list[str] = field(default_factory=list)  # more `iris-extproc serve` options, e.g. --workers 2
     envoy_concurrency: int = 1  # Envoy worker threads: each opens its own ext_proc connection
+    replicas: dict[str, int] = field(default_factory=dict)
+    engines: dict[str, list[str]] = field(default_factory=dict)
+    real_providers: bool = False
 
     def __post_init__(self):
         self.work_dir = Path(self.work_dir or tempfile.mkdtemp(prefix="iris-gateway-"))
         self.secret = secrets.token_hex(16)
         self.redis: ManagedProcess | None = None
-        self.providers: dict[str, ManagedProcess] = {}
+        self.providers: dict[str, ManagedProcess] = {}  # each simulated provider's first replica
+        self.pools: dict[str, list[ManagedProcess]] = {}  # every replica of each simulated provider
         self.running: list[Instance] = []
         self.config: Config | None = None
         self.started: list[ManagedProcess] = []  # every process started, in order, for stop()
@@ -144,6 +156,10 @@ class LocalGateway(StartedTogether):
     def provider_url(self, name: str) -> str:
         return f"http://127.0.0.1:{self.providers[name].port}"
 
+    def replica_urls(self, name: str) -> list[str]:
+        """The base URL of each replica of simulated provider `name`."""
+        return [f"http://127.0.0.1:{process.port}" for process in self.pools[name]]
+
     def start(self) -> None:
         """Start Redis (unless `redis_url` was given, or the config names a Redis Cluster or
         Sentinel: those are used as they are), the providers, then each instance.
@@ -154,19 +170,33 @@ class LocalGateway(StartedTogether):
         others; the context manager does)."""
         data = yaml.safe_load(EXAMPLE_CONFIG.read_text()) if self.config_data is None else self.config_data
         self.config = parse_config(data)
-        problems = envoy_check.check_files(self.config, self.envoy_source, addresses=False)
-        if problems:
-            raise GatewayConfigError("; ".join(problems))
+        if self.real_providers:  # the bootstrap is rendered from the config: the template only has to carry it
+            try:
+                envoy_render.render(self.config, envoy_config.load_envoy_yaml(self.envoy_source))
+            except envoy_render.RenderError as exc:
+                raise GatewayConfigError(str(exc)) from None
+        else:
+            problems = envoy_check.check_files(self.config, self.envoy_source, addresses=False)
+            if problems:
+                raise GatewayConfigError("; ".join(problems))
+        if self.real_providers:
+            self.engines = {**{p.name: p.endpoints for p in self.config.providers if p.endpoints}, **self.engines}
         external = self.config.redis.cluster is not None or self.config.redis.sentinel is not None
         if self.redis_url is None and not external:
             self.redis = self._track(start_redis(self.work_dir / "redis"))
             self.redis_url = f"redis://127.0.0.1:{self.redis.port}/0"
         for provider in self.config.providers:
-            self.providers[provider.name] = self._start_simulator(provider.name)
+            if provider.name in self.engines:
+                continue
+            count = self.replicas.get(provider.name, 1)
+            pool = [self._start_simulator(provider.name, replica=i if count > 1 else None) for i in range(count)]
+            self.pools[provider.name] = pool
+            self.providers[provider.name] = pool[0]
         for index in range(self.instances):
             self.running.append(self._start_instance(index, data))
-        for process in self.providers.values():
-            wait_for_port(process.port, process=process.popen)
+        for pool in self.pools.values():
+            for process in pool:
+                wait_for_port(process.port, process=process.popen)
 
     def stop(self) -> None:
         """Stop every process this gateway started, newest first, including those of an
@@ -196,13 +226,13 @@ class LocalGateway(StartedTogether):
         old = self.providers[name]
         old.stop()
         process = self._start_simulator(name, port=old.port)
-        self.providers[name] = process
+        self.providers[name] = self.pools[name][0] = process
         wait_for_port(process.port, process=process.popen)
 
-    def _start_simulator(self, name: str, port: int | None = None) -> ManagedProcess:
+    def _start_simulator(self, name: str, port: int | None = None, replica: int | None = None) -> ManagedProcess:
         sim = self.simulations.get(name, self.default_simulation)
         port = port or free_port()
-        argv = simulator_argv(name, port, sim)
+        argv = simulator_argv(name if replica is None else f"{name}-r{replica}", port, sim)
         provider = self.config.provider(name)
         served = sim.served_models
         if served is None:
@@ -215,7 +245,8 @@ class LocalGateway(StartedTogether):
             argv += ["--api-key-env", key_env]
         if sim.tls_cert is not None:
             argv += ["--tls-cert", str(sim.tls_cert), "--tls-key", str(sim.tls_key)]
-        process = self._track(spawn(f"provider-{name}", argv, self.work_dir, env=env))
+        label = name if replica is None else f"{name}-r{replica}"
+        process = self._track(spawn(f"provider-{label}", argv, self.work_dir, env=env))
         process.port = port
         return process
 
@@ -239,6 +270,9 @@ class LocalGateway(StartedTogether):
         providers = []
         for entry in data["providers"]:
             entry = dict(entry)
+            if entry["name"] in self.engines:
+                providers.append(entry)
+                continue
             port = self.providers[entry["name"]].port
             for name in ("health_check", "load"):
                 if entry.get(name):
@@ -274,8 +308,16 @@ class LocalGateway(StartedTogether):
         configs = [self._extproc_config(name, data) for name in names]
         cluster_ports: dict[str, int | list[int]] = {"extproc": [grpc_port for _, grpc_port, _ in configs]}
         for provider in self.config.providers:
-            cluster_ports[provider.cluster] = self.providers[provider.name].port
-        bootstrap = envoy_config.render(listener_port, admin_port, cluster_ports, source=self.envoy_source)
+            if provider.name in self.engines:
+                ports = [urlsplit(url).port for url in self.engines[provider.name]]
+            else:
+                ports = [process.port for process in self.pools[provider.name]]
+            for cluster in filter(None, (provider.cluster, provider.sessionless_cluster)):
+                cluster_ports[cluster] = ports if len(ports) > 1 else ports[0]
+        if self.real_providers:
+            bootstrap = self._rendered_bootstrap(listener_port, admin_port, cluster_ports)
+        else:
+            bootstrap = envoy_config.render(listener_port, admin_port, cluster_ports, source=self.envoy_source)
         envoy_path = envoy_config.write(bootstrap, self.work_dir / f"envoy-{index}.yaml")
         extprocs = []
         for name, (config_path, grpc_port, metrics_port) in zip(names, configs):
@@ -301,6 +343,18 @@ class LocalGateway(StartedTogether):
         _wait_until_up(envoy)
         config_path, _, metrics_port = configs[0]
         return Instance(index, envoy, extprocs[0], listener_port, admin_port, config_path, metrics_port, extprocs)
+
+    def _rendered_bootstrap(self, listener_port: int, admin_port: int, cluster_ports: dict[str, int | list[int]]) -> dict[str, Any]:
+        """The bootstrap `iris-extproc envoy-config` renders from the config, the simulated
+        providers' endpoints being their simulators, on this instance's ports."""
+        endpoints = dict(self.engines)
+        for name, pool in self.pools.items():
+            endpoints[name] = [f"http://127.0.0.1:{process.port}" for process in pool]
+        providers = [p.model_copy(update={"endpoints": endpoints.get(p.name, p.endpoints)}) for p in self.config.providers]
+        config = self.config.model_copy(update={"providers": providers})
+        bootstrap = envoy_render.render(config, envoy_config.load_envoy_yaml(self.envoy_source))
+        return envoy_config.render_onto(bootstrap, listener_port, admin_port, {"extproc": cluster_ports["extproc"]})
+
 
 def _wait_until_up(process: ManagedProcess) -> None:
     """Wait for `process` to listen on its port. Raises ProcessError naming it, with the last

@@ -9,13 +9,17 @@ from extproc.config.loading import ConfigError, load_config, parse_config
 from extproc.config.schema import (
     DEFAULT_PRIVATE_HEADERS,
     FEATURE_CLASSES,
+    LOAD_PRESETS,
     RESTART_ONLY,
+    ROUTER_SESSION_HEADERS,
     SUB_FEATURES,
+    Affinity,
     Config,
     Credentials,
     HealthCheck,
     IdentitySource,
     LoadGauge,
+    LoadSignal,
     ModelLimits,
     Provider,
     ProviderKind,
@@ -25,7 +29,7 @@ from extproc.config.schema import (
 )
 
 __all__ = [
-    "DEFAULT_PRIVATE_HEADERS", "FEATURE_CLASSES", "RESTART_ONLY", "SUB_FEATURES", "Config", "ConfigError",
-    "Credentials", "HealthCheck", "IdentitySource", "LoadGauge", "ModelLimits", "Provider", "ProviderKind",
+    "ROUTER_SESSION_HEADERS", "Affinity", "DEFAULT_PRIVATE_HEADERS", "FEATURE_CLASSES", "RESTART_ONLY", "SUB_FEATURES", "Config", "ConfigError",
+    "Credentials", "HealthCheck", "IdentitySource", "LOAD_PRESETS", "LoadGauge", "LoadSignal", "ModelLimits", "Provider", "ProviderKind",
     "RedisSettings", "SessionSignal", "load_config", "parse_config", "restart_only_fields",
 ]

@@ -2,9 +2,12 @@
 
 The two files are kept by hand and must agree (docs/operations.md "The config pair"): every provider's
 `cluster` is a cluster of the Envoy bootstrap; the routing header (`server.routing_header`) is the
-route's `cluster_header` and is removed by the early header mutation; the ext_proc filter's
-cluster reaches `server.listen`'s port; each health-check and load URL points at the provider's
-own cluster (the same host and port when the cluster is STATIC). `check` answers one plain
+route's `cluster_header` and is removed by the early header mutation; a provider whose sessions
+keep their replica by hash (Affinity `session_hash`) has a consistent-hash cluster, the route
+hashes on `server.affinity_header` and the early header mutation removes it too; a
+`sessionless_cluster` exists and does not hash; the ext_proc filter's cluster reaches
+`server.listen`'s port; each health-check and load URL points at the provider's own cluster (the
+same host and port when the cluster is STATIC). `check` answers one plain
 sentence per disagreement; an empty list means the pair agrees. Used by `iris-extproc check`,
 `serve --envoy`, `up` and the configuration reload.
 """
@@ -18,11 +21,13 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from extproc.config import Config, ProviderKind
+from extproc.config import Affinity, Config, Provider, ProviderKind
 
 EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
 HCM_FILTER = "envoy.filters.network.http_connection_manager"
 LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
+HASH_LB_POLICIES = frozenset({"RING_HASH", "MAGLEV"})
+HASH_LB_EXTENSIONS = ("envoy.load_balancing_policies.ring_hash", "envoy.load_balancing_policies.maglev")
 
 
 class EnvoyConfigError(ValueError):
@@ -52,15 +57,20 @@ def check(config: Config, bootstrap: dict[str, Any], envoy_name: str = "envoy.ya
     address onto free ports). Never raises on a malformed bootstrap: its shape is a problem too."""
     clusters = {c.get("name"): c for c in _list(_dict(bootstrap.get("static_resources")).get("clusters")) if isinstance(c, dict)}
     problems = []
+    known = ", ".join(sorted(str(name) for name in clusters)) or "none"
     for provider in config.providers:
-        if provider.cluster not in clusters:
-            known = ", ".join(sorted(str(name) for name in clusters)) or "none"
-            problems.append(f"provider {provider.name}: cluster {provider.cluster!r} is not a cluster of {envoy_name} (its clusters: {known})")
+        for what, name in (("cluster", provider.cluster), ("sessionless_cluster", provider.sessionless_cluster)):
+            if name is not None and name not in clusters:
+                problems.append(f"provider {provider.name}: {what} {name!r} is not a cluster of {envoy_name} (its clusters: {known})")
+        problems += _affinity_cluster_problems(provider, clusters, envoy_name)
+    hashed = [p for p in config.providers if p.session_affinity is Affinity.SESSION_HASH]
     managers = _connection_managers(bootstrap)
     if not managers:
         problems.append(f"{envoy_name}: no listener with an http_connection_manager")
     for manager in managers:
         problems += _header_problems(config.server.routing_header, manager, envoy_name)
+        if hashed:
+            problems += _hash_policy_problems(config.server.affinity_header, hashed[0].name, manager, envoy_name)
         if addresses:
             problems += _ext_proc_problems(config.server.listen, manager, clusters, envoy_name)
     if addresses:
@@ -89,27 +99,79 @@ def _connection_managers(bootstrap: dict[str, Any]) -> list[dict[str, Any]]:
     return managers
 
 
-def _header_problems(header: str, manager: dict[str, Any], envoy_name: str) -> list[str]:
-    """The routing header is every header route's cluster_header and the early mutation removes it."""
+def _affinity_cluster_problems(provider: Provider, clusters: dict[str, Any], envoy_name: str) -> list[str]:
+    """A hashed provider's cluster balances by consistent hash; its sessionless cluster does not."""
     problems = []
-    routes = [
+    cluster = clusters.get(provider.cluster)
+    if provider.session_affinity is Affinity.SESSION_HASH and cluster is not None and not _hashes(cluster):
+        problems.append(
+            f"provider {provider.name}: cluster {provider.cluster!r} of {envoy_name} does not balance by consistent hash, so its "
+            "sessions would lose their replica's cache (lb_policy: MAGLEV or RING_HASH; or affinity: none)"
+        )
+    spread = clusters.get(provider.sessionless_cluster)
+    if spread is not None and _hashes(spread):
+        problems.append(f"provider {provider.name}: sessionless_cluster {provider.sessionless_cluster!r} balances by hash (use LEAST_REQUEST)")
+    return problems
+
+
+def _hashes(cluster: dict[str, Any]) -> bool:
+    """Whether the cluster's load balancer is a consistent hash (lb_policy or a typed policy)."""
+    if str(cluster.get("lb_policy", "")).upper() in HASH_LB_POLICIES:
+        return True
+    policies = _list(_dict(cluster.get("load_balancing_policy")).get("policies"))
+    return any(_dict(_dict(policy).get("typed_extension_config")).get("name") in HASH_LB_EXTENSIONS for policy in policies)
+
+
+def _routes(manager: dict[str, Any]) -> list[dict[str, Any]]:
+    return [
         _dict(route)
         for host in _list(_dict(manager.get("route_config")).get("virtual_hosts"))
         for route in _list(_dict(host).get("routes"))
     ]
+
+
+def _removed_early(manager: dict[str, Any]) -> list[str]:
+    """The headers the early header mutation removes (lowercase)."""
+    return [
+        str(mutation.get("remove", "")).lower()
+        for extension in _list(manager.get("early_header_mutation_extensions"))
+        for mutation in _list(_dict(_dict(extension).get("typed_config")).get("mutations"))
+        if isinstance(mutation, dict)
+    ]
+
+
+def _hash_policy_problems(header: str, provider: str, manager: dict[str, Any], envoy_name: str) -> list[str]:
+    """Every cluster_header route hashes on the affinity header, and the early mutation removes it."""
+    problems = []
+    for route in _routes(manager):
+        action = _dict(route.get("route"))
+        if "cluster_header" not in action:
+            continue
+        hashed_on = [str(_dict(_dict(policy).get("header")).get("header_name", "")).lower() for policy in _list(action.get("hash_policy"))]
+        if header.lower() not in hashed_on:
+            problems.append(
+                f"{envoy_name}: the route with cluster_header has no hash_policy on {header!r} (server.affinity_header), so provider "
+                f"{provider}'s sessions would not keep their replica"
+            )
+    if header.lower() not in _removed_early(manager):
+        problems.append(
+            f"{envoy_name}: no early header mutation removes {header!r}, so a client could pick its replica "
+            "(early_header_mutation_extensions: remove)"
+        )
+    return problems
+
+
+def _header_problems(header: str, manager: dict[str, Any], envoy_name: str) -> list[str]:
+    """The routing header is every header route's cluster_header and the early mutation removes it."""
+    problems = []
+    routes = _routes(manager)
     cluster_headers = [_dict(r.get("route")).get("cluster_header") for r in routes if "cluster_header" in _dict(r.get("route"))]
     if not cluster_headers:
         problems.append(f"{envoy_name}: no route with cluster_header (the route that sends a request to the chosen cluster)")
     for name in cluster_headers:
         if str(name).lower() != header.lower():
             problems.append(f"{envoy_name}: the route's cluster_header is {name!r} but server.routing_header is {header!r}")
-    removed = [
-        str(mutation.get("remove", "")).lower()
-        for extension in _list(manager.get("early_header_mutation_extensions"))
-        for mutation in _list(_dict(_dict(extension).get("typed_config")).get("mutations"))
-        if isinstance(mutation, dict)
-    ]
-    if header.lower() not in removed:
+    if header.lower() not in _removed_early(manager):
         problems.append(
             f"{envoy_name}: no early header mutation removes {header!r}, so a client could choose the cluster "
             "(early_header_mutation_extensions: remove)"

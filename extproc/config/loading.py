@@ -12,6 +12,7 @@ import re
 from collections import Counter
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import ValidationError
@@ -19,7 +20,9 @@ from pydantic import ValidationError
 from extproc.config.schema import (
     FEATURE_CLASSES,
     REDIS_NODE_PATTERN,
+    ROUTER_SESSION_HEADERS,
     SUB_FEATURES,
+    Affinity,
     Config,
     ModelLimits,
     Provider,
@@ -101,11 +104,14 @@ def _session_problems(config: Config) -> list[str]:
         if len(set(values)) != len(values):
             problems.append(f"session.{name}: holds a value twice")
     clash = set(session.trusted_identity_headers) & (
-        {config.server.routing_header} | set(config.adaptation.client_credential_headers)
+        {config.server.routing_header, config.server.affinity_header} | set(config.adaptation.client_credential_headers)
         | set(session.session_headers) | set(session.agent_session_headers)
     )
     if clash:
         problems.append(f"session.trusted_identity_headers: {sorted(clash)} cannot carry an identity")
+    signals = {config.server.routing_header} | set(session.session_headers) | set(session.agent_session_headers)
+    if config.server.affinity_header in signals:
+        problems.append(f"server.affinity_header: {config.server.affinity_header!r} is already the routing header or a session header")
     return problems
 
 
@@ -144,9 +150,49 @@ def _provider_extension_problems(at: str, provider: Provider) -> list[str]:
         for name in ("health_check", "load"):
             if getattr(provider, name) is not None:
                 problems.append(f"{at}.{name}: an unlimited provider is never degraded (the spec)")
+    problems.extend(_affinity_problems(at, provider))
     load = provider.load
-    if load is not None and load.recover_below is not None and load.recover_below > load.threshold:
-        problems.append(f"{at}.load.recover_below: must be <= threshold ({_plain_number(load.threshold)})")
+    if load is not None:
+        if (load.metric is None) != (load.threshold is None):
+            problems.append(f"{at}.load: metric and threshold go together")
+        if not load.all_signals():
+            problems.append(f"{at}.load: needs a preset, a metric with a threshold, or signals")
+        singles = [("", load.recover_below, load.threshold)] if load.threshold is not None else []
+        for where, recover, threshold in singles + [(f".signals[{i}]", x.recover_below, x.threshold) for i, x in enumerate(load.signals)]:
+            if recover is not None and recover > threshold:
+                problems.append(f"{at}.load{where}.recover_below: must be <= threshold ({_plain_number(threshold)})")
+    return problems
+
+
+def _affinity_problems(at: str, provider: Provider) -> list[str]:
+    """A third party never gets a session key; an own router names its header; a sessionless
+    cluster is another cluster, for a pool; endpoints are http(s) URLs with a host."""
+    problems = []
+    affinity = provider.session_affinity
+    if provider.kind is ProviderKind.UNLIMITED and affinity is not Affinity.NONE:
+        problems.append(f"{at}.affinity: an unlimited provider (a third party) never receives a session key: use none")
+    if affinity is Affinity.OWN_ROUTER and provider.router_session_header is None:
+        problems.append(f"{at}.router_session_header: own_router needs one: a preset ({', '.join(ROUTER_SESSION_HEADERS)}) or a header name")
+    if affinity is not Affinity.OWN_ROUTER and provider.router_session_header is not None:
+        problems.append(f"{at}.router_session_header: only with affinity own_router")
+    if provider.sessionless_cluster is not None:
+        if affinity is not Affinity.SESSION_HASH:
+            problems.append(f"{at}.sessionless_cluster: only with affinity session_hash")
+        if provider.sessionless_cluster == provider.cluster:
+            problems.append(f"{at}.sessionless_cluster: must differ from cluster (it balances by least request)")
+    schemes = set()
+    for i, url in enumerate(provider.endpoints):
+        parts = urlsplit(url)
+        try:
+            parts.port
+        except ValueError:
+            problems.append(f"{at}.endpoints[{i}]: {url!r} has an invalid port")
+            continue
+        if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/") or parts.query:
+            problems.append(f"{at}.endpoints[{i}]: {url!r} is not http(s)://host[:port]")
+        schemes.add(parts.scheme)
+    if len(schemes) > 1:
+        problems.append(f"{at}.endpoints: mixes http and https (one cluster speaks one)")
     return problems
 
 

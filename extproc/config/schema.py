@@ -98,20 +98,73 @@ class HealthCheck(_Strict):
     successes_before_healthy: int = Field(default=2, ge=1)
 
 
-class LoadGauge(_Strict):
-    """Degrade a managed provider while a gauge of its Prometheus endpoint `url` (text format)
-    is above `threshold`, until it falls to `recover_below` (default: the threshold). The gauge is
-    the sum of the samples named `metric` (for example vLLM's `vllm:num_requests_waiting`); with
-    `model_label` set (for example `model_name`), per model: the samples whose label equals the
-    model's upstream name. Read every `interval_seconds`, within `timeout_seconds`."""
+class LoadSignal(_Strict):
+    """One gauge of an engine's Prometheus endpoint: the sum of the samples named `metric` (per
+    model with the gauge's `model_label`); over `threshold` the pair is saturated, until it falls
+    to `recover_below` (default: the threshold)."""
 
-    url: str = Field(pattern=r"^https?://")
     metric: str = Field(min_length=1)
     threshold: float
     recover_below: float | None = None
+
+    @property
+    def recovers_at(self) -> float:
+        return self.threshold if self.recover_below is None else self.recover_below
+
+
+# The engines' own saturation gauges (docs/operations.md "Real fleets"): requests waiting for a
+# slot and the KV cache's use. (model label, signals); a preset's thresholds are starting points.
+LOAD_PRESETS: dict[str, tuple[str | None, tuple[LoadSignal, ...]]] = {
+    "vllm": ("model_name", (
+        LoadSignal(metric="vllm:num_requests_waiting", threshold=8, recover_below=2),
+        LoadSignal(metric="vllm:kv_cache_usage_perc", threshold=0.95, recover_below=0.85),
+    )),
+    "sglang": ("model_name", (
+        LoadSignal(metric="sglang:num_queue_reqs", threshold=8, recover_below=2),
+        LoadSignal(metric="sglang:token_usage", threshold=0.95, recover_below=0.85),
+    )),
+    "llamacpp": (None, (
+        LoadSignal(metric="llamacpp:requests_deferred", threshold=2, recover_below=0),
+    )),
+}
+
+
+class LoadGauge(_Strict):
+    """Degrade a managed provider's pairs while its engine is saturated, read from its Prometheus
+    endpoint `url` (text format) every `interval_seconds`, within `timeout_seconds`.
+
+    The signals: those of `preset` (`vllm`, `sglang`, `llamacpp`: see LOAD_PRESETS), then
+    `metric` with `threshold` and `recover_below` when given, then `signals`; a pair is saturated
+    while any signal is over its threshold (each with its own hysteresis). With `model_label`
+    (for example `model_name`; a preset sets it) a signal is read per model, from the samples
+    whose label equals the model's upstream name; without, the sum of every sample counts for
+    every model. `stale_after_seconds` (fail closed, as the llm-d endpoint picker does): when no
+    reading succeeded for that long, the provider's pairs count as saturated until one does;
+    None keeps today's fail-open behaviour (a flag lapses when readings stop)."""
+
+    url: str = Field(pattern=r"^https?://")
+    preset: Literal["vllm", "sglang", "llamacpp"] | None = None
+    metric: str | None = Field(default=None, min_length=1)
+    threshold: float | None = None
+    recover_below: float | None = None
+    signals: list[LoadSignal] = []
     model_label: str | None = None
     interval_seconds: float = Field(default=5.0, gt=0)
     timeout_seconds: float = Field(default=1.0, gt=0)
+    stale_after_seconds: float | None = Field(default=None, gt=0)
+
+    def all_signals(self) -> list[LoadSignal]:
+        """Every signal, in the order of the class docstring."""
+        found = list(LOAD_PRESETS[self.preset][1]) if self.preset else []
+        if self.metric is not None and self.threshold is not None:
+            found.append(LoadSignal(metric=self.metric, threshold=self.threshold, recover_below=self.recover_below))
+        return found + list(self.signals)
+
+    def label(self) -> str | None:
+        """The model label: `model_label`, else the preset's."""
+        if self.model_label is not None or self.preset is None:
+            return self.model_label
+        return LOAD_PRESETS[self.preset][0]
 
 
 class PassiveHealth(_Strict):
@@ -186,8 +239,46 @@ class AdaptationSettings(_Strict):
     private_headers: list[HeaderName] = list(DEFAULT_PRIVATE_HEADERS)
 
 
+class Affinity(str, enum.Enum):
+    """How a session keeps its cache inside a provider whose cluster has several replicas.
+
+    `session_hash` (a pool of engines behind one Envoy cluster): the ext_proc server sets
+    `server.affinity_header` to an opaque key of the session and the route hashes on it over the
+    cluster's consistent-hash load balancer (MAGLEV or RING_HASH), so each session stays on one
+    replica and a replica that fails moves only its own sessions. `own_router` (a deployment with
+    a router of its own: Dynamo, the llm-d endpoint picker, SGLang's or vLLM's router): the key
+    goes in the header that router reads (`router_session_header`). `none`: nothing is sent."""
+
+    SESSION_HASH = "session_hash"
+    OWN_ROUTER = "own_router"
+    NONE = "none"
+
+
+# The header each known router reads for session affinity (docs/operations.md "Real fleets"):
+# NVIDIA Dynamo's frontend (with --router-session-affinity-ttl-secs), the llm-d endpoint picker's
+# session-affinity scorer (strategy session_id, its default source), the SGLang model gateway
+# (policy manual or consistent_hashing) and vllm-router (policy consistent_hash or
+# sticky_least_loaded).
+ROUTER_SESSION_HEADERS = {
+    "dynamo": "x-dynamo-session-id",
+    "llm-d": "x-session-id",
+    "sglang": "x-smg-routing-key",
+    "vllm-router": "x-session-id",
+}
+
+
 class Provider(_Strict):
-    """One provider: a name, a kind, the Envoy cluster that reaches it, and its models."""
+    """One provider: a name, a kind, the Envoy cluster that reaches it, and its models.
+
+    `endpoints`: the provider's replicas as `http(s)://host:port` URLs, or one DNS name that
+    resolves to all of them (a headless Service); `iris-extproc envoy-config` renders the
+    provider's cluster from them (the routing config is then the one source of both files).
+    `affinity` (default: `session_hash` for a managed provider, `none` for an unlimited one, which
+    never receives a session key): see Affinity. `router_session_header`: with `own_router`, a
+    preset (`dynamo`, `llm-d`, `sglang`, `vllm-router`) or the header's own name.
+    `sessionless_cluster`: an Envoy cluster over the same replicas with `lb_policy:
+    LEAST_REQUEST`, for the requests without a session (embeddings, for one); without it they go
+    to `cluster`, where a consistent-hash balancer picks a replica at random."""
 
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9._-]+$")
     kind: ProviderKind
@@ -196,6 +287,27 @@ class Provider(_Strict):
     credentials: Credentials | None = None
     health_check: HealthCheck | None = None
     load: LoadGauge | None = None
+    endpoints: list[str] = []
+    affinity: Affinity | None = None
+    router_session_header: str | None = Field(default=None, pattern=_HEADER_NAME)
+    sessionless_cluster: str | None = Field(default=None, min_length=1, pattern=r"^[A-Za-z0-9._-]+$")
+
+    @property
+    def session_affinity(self) -> Affinity:
+        """`affinity`, or its default for the provider's kind."""
+        if self.affinity is not None:
+            return self.affinity
+        return Affinity.SESSION_HASH if self.kind is ProviderKind.MANAGED else Affinity.NONE
+
+    def session_header(self, affinity_header: str) -> str | None:
+        """The header that carries the session key to this provider (`affinity_header`: the
+        config's `server.affinity_header`), or None when none is sent."""
+        mode = self.session_affinity
+        if mode is Affinity.SESSION_HASH:
+            return affinity_header
+        if mode is Affinity.OWN_ROUTER and self.router_session_header is not None:
+            return ROUTER_SESSION_HEADERS.get(self.router_session_header, self.router_session_header)
+        return None
 
     def supports(self, model: str, feature: str, sub_features: frozenset[str] = frozenset()) -> bool:
         """The spec's provider.supports(model, feature): the model is served with the feature
@@ -344,10 +456,14 @@ class ServerSettings(_Strict):
     Drain on SIGTERM (docs/operations.md "Draining"): the gRPC health service reports NOT_SERVING at once,
     the server keeps serving for `drain_delay_seconds` (default 3: envoy/envoy.yaml checks every
     1 s and needs 2 failures, plus one interval of margin) so that Envoy stops sending new
-    streams, then takes no new stream and lets open ones finish within `drain_grace_seconds`."""
+    streams, then takes no new stream and lets open ones finish within `drain_grace_seconds`.
+
+    `routing_header` carries the chosen cluster to Envoy's route, `affinity_header` the session's
+    opaque key to the route's hash policy (Affinity); Envoy strips a client's own copy of both."""
 
     listen: Annotated[str, RESTART_ONLY] = "127.0.0.1:50051"
     routing_header: Annotated[str, RESTART_ONLY] = "x-iris-cluster"
+    affinity_header: Annotated[str, RESTART_ONLY] = Field(default="x-iris-affinity", pattern=_HEADER_NAME)
     max_body_bytes: int = Field(default=16 * 1024 * 1024, gt=0)
     drain_delay_seconds: float = Field(default=3.0, ge=0)
     drain_grace_seconds: float = Field(default=30.0, ge=0)

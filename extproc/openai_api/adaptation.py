@@ -12,7 +12,10 @@ model its own way and want its own API key. For the chosen (provider, model) thi
 - for an unlimited provider (a third party), the headers that say who the client is or where it
   connects from (`adaptation.private_headers`: cookies, forwarded-for, ..., and the session's
   trusted identity headers) to remove as well: nothing of the client's identity leaves for a
-  third party.
+  third party;
+- the session's affinity inside the provider (config Affinity): an opaque key of the session in
+  the header Envoy's route hashes on (a pool) or in the header the provider's own router reads,
+  and the cluster (a pool's `sessionless_cluster` for a request without a session).
 
 A key never appears in a log line, an error, a metric or a repr: errors name the variable or the
 file, never the value.
@@ -20,6 +23,7 @@ file, never the value.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -36,9 +40,11 @@ class CredentialError(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class Adaptation:
-    """What to change in a request before it leaves for one provider: headers to set (one may
-    hold a key: the repr hides values), headers to remove, and the new body or None."""
+    """What to change in a request before it leaves for one provider: the Envoy cluster to route
+    to, headers to set (one may hold a key: the repr hides values), headers to remove, and the new
+    body or None."""
 
+    cluster: str
     set_headers: dict[str, str] = field(default_factory=dict)
     remove: list[str] = field(default_factory=list)
     body: bytes | None = None
@@ -46,7 +52,7 @@ class Adaptation:
     def __repr__(self) -> str:
         hidden = {name: "<redacted>" for name in self.set_headers}
         size = None if self.body is None else len(self.body)
-        return f"Adaptation(set_headers={hidden}, remove={self.remove}, body_bytes={size})"
+        return f"Adaptation(cluster={self.cluster!r}, set_headers={hidden}, remove={self.remove}, body_bytes={size})"
 
 
 class RequestAdapter:
@@ -65,6 +71,7 @@ class RequestAdapter:
                 key = read_api_key(provider.name, provider.credentials, environ)
                 header = provider.credentials.header
                 self._credentials[provider.name] = (header, provider.credentials.header_prefix() + key)
+        self._session_headers = {p.name: p.session_header(config.server.affinity_header) for p in config.providers}
         self._upstream_models = {
             (p.name, model): entry.upstream_model
             for p in config.providers
@@ -72,10 +79,15 @@ class RequestAdapter:
             if entry.upstream_model and entry.upstream_model != model
         }
 
-    def adapt(self, provider: Provider, model: str, body: dict) -> Adaptation:
+    def adapt(self, provider: Provider, model: str, body: dict, session_id: str | None = None) -> Adaptation:
         """The changes for sending the request `body` (decoded JSON object) for `model` to
-        `provider`. Raises nothing: `body` was decoded from JSON, so it encodes again."""
+        `provider`, within session `session_id` (None: a request without a session). Raises
+        nothing: `body` was decoded from JSON, so it encodes again."""
         headers: dict[str, str] = {}
+        session_header = self._session_headers.get(provider.name)
+        if session_id is not None and session_header is not None:
+            headers[session_header] = affinity_key(session_id)
+        cluster = provider.cluster if session_id is not None else provider.sessionless_cluster or provider.cluster
         credential = self._credentials.get(provider.name)
         if credential is not None:
             headers[credential[0]] = credential[1]
@@ -86,7 +98,15 @@ class RequestAdapter:
         new_body = None
         if upstream is not None:
             new_body = orjson.dumps({**body, "model": upstream})
-        return Adaptation(headers, remove, new_body)
+        return Adaptation(cluster, headers, remove, new_body)
+
+
+def affinity_key(session_id: str) -> str:
+    """The key a provider's replicas see for session `session_id`: 32 hex characters of a BLAKE2b
+    hash, the same on every proxy. The session id is itself a keyed hash (extproc.openai_api.
+    sessions), so the key says nothing of the client; hashing again keeps the Redis key out of
+    upstream headers."""
+    return hashlib.blake2b(session_id.encode(), digest_size=16, person=b"iris-affinity").hexdigest()
 
 
 def read_api_key(provider: str, credentials: Credentials, environ: Mapping[str, str]) -> str:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from urllib.parse import urlsplit, urlunsplit
 
@@ -75,25 +76,31 @@ class Streak:
         return self.degraded
 
 
-def gauge_values(text: str, gauge: LoadGauge, upstream_names: dict[str, str]) -> dict[str, float]:
-    """Per model, the gauge read from a Prometheus text exposition: the sum of the samples named
-    `gauge.metric`, or with `gauge.model_label`, of those whose label equals the model's
-    upstream name (`upstream_names`: model -> upstream name). A model without samples reads 0.
-    Raises ValueError for text that does not parse."""
-    total = 0.0
-    by_label: dict[str, float] = {}
+def gauge_values(text: str, metric: str, model_label: str | None, upstream_names: dict[str, str]) -> dict[str, float]:
+    """Per model, one gauge read from a Prometheus text exposition: the sum of the samples named
+    `metric`, or with `model_label`, of those whose label equals the model's upstream name
+    (`upstream_names`: model -> upstream name). A model without samples reads 0. Raises
+    ValueError for text that does not parse."""
+    return signal_values(text, [metric], model_label, upstream_names)[metric]
+
+
+def signal_values(text: str, metrics_read: list[str], model_label: str | None, upstream_names: dict[str, str]) -> dict[str, dict[str, float]]:
+    """`gauge_values` of every metric in `metrics_read` from one parse of `text`: metric -> model
+    -> value. Raises ValueError for text that does not parse."""
+    totals = dict.fromkeys(metrics_read, 0.0)
+    by_label: dict[str, dict[str, float]] = {metric: {} for metric in metrics_read}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name != gauge.metric:
+            if sample.name not in totals:
                 continue
-            total += sample.value
-            if gauge.model_label is not None:
-                label = sample.labels.get(gauge.model_label)
+            totals[sample.name] += sample.value
+            if model_label is not None:
+                label = sample.labels.get(model_label)
                 if label is not None:
-                    by_label[label] = by_label.get(label, 0.0) + sample.value
-    if gauge.model_label is None:
-        return {model: total for model in upstream_names}
-    return {model: by_label.get(name, 0.0) for model, name in upstream_names.items()}
+                    by_label[sample.name][label] = by_label[sample.name].get(label, 0.0) + sample.value
+    if model_label is None:
+        return {metric: {model: totals[metric] for model in upstream_names} for metric in metrics_read}
+    return {metric: {model: by_label[metric].get(name, 0.0) for model, name in upstream_names.items()} for metric in metrics_read}
 
 
 def over_threshold(value: float, was_over: bool, threshold: float, recover_below: float) -> bool:
@@ -292,18 +299,22 @@ class _HealthCheckTask:
 
 
 class _LoadGaugeTask:
-    """One provider's load gauge; `step()` is one reading and its effect on the flags."""
+    """One provider's load gauge; `step()` is one reading and its effect on the flags: a pair is
+    saturated while any of the gauge's signals is over its threshold (each with its hysteresis),
+    and, with `stale_after_seconds`, while no reading succeeded for that long (fail closed)."""
 
     def __init__(self, monitor: HealthMonitor, provider: Provider, gauge: LoadGauge):
         self.monitor = monitor
         self.provider = provider
         self.gauge = gauge
+        self.signals = gauge.all_signals()
         self.upstream_names = {model: entry.upstream_model or model for model, entry in provider.models.items()}
-        self.recover_below = gauge.threshold if gauge.recover_below is None else gauge.recover_below
         self.ttl = max(gauge.interval_seconds, gauge.timeout_seconds) * monitor._ttl_intervals
         self.url = display_url(gauge.url)
-        self.over: dict[str, bool] = {}
+        self.over: dict[tuple[str, str], bool] = {}  # (model, metric) -> over its threshold
+        self.flagged: dict[str, bool] = {}  # model -> its LOAD flag is held
         self.reachable = True
+        self.last_read = time.monotonic()
 
     async def step(self) -> None:
         gauge, name = self.gauge, self.provider.name
@@ -312,31 +323,53 @@ class _LoadGaugeTask:
             async with self.monitor._http.get(gauge.url, timeout=timeout, allow_redirects=False) as response:
                 response.raise_for_status()
                 text = await response.text()
-            values = gauge_values(text, gauge, self.upstream_names)
-            self.reachable = True
+            values = signal_values(text, [signal.metric for signal in self.signals], gauge.label(), self.upstream_names)
+            self.reachable, self.last_read = True, time.monotonic()
         except (asyncio.TimeoutError, aiohttp.ClientError, ValueError) as exc:
-            # Unknown load: renew nothing, so a held flag expires within its TTL.
+            # Unknown load: renew nothing, so a held flag expires within its TTL, unless the
+            # reading is stale past stale_after_seconds (fail closed).
             if self.reachable:
                 log.warning("load of %s not read from %s: %s", name, self.url, type(exc).__name__)
             self.reachable = False
-            values = {}
-        for model, value in values.items():
+            stale_for = time.monotonic() - self.last_read
+            if gauge.stale_after_seconds is not None and stale_for > gauge.stale_after_seconds:
+                reason = f"load: no reading of {self.url} for {stale_for:.0f} s (stale after {gauge.stale_after_seconds:g} s)"
+                await self._write_all(reason)
+            return
+        for model in self.upstream_names:
             try:
-                await self._apply(model, value)
+                await self._apply(model, {signal.metric: values[signal.metric][model] for signal in self.signals})
             except RedisError as exc:
                 log.warning("load state of %s not written: %s", name, exc)
 
-    async def _apply(self, model: str, value: float) -> None:
-        gauge, name, over = self.gauge, self.provider.name, self.over
-        if over_threshold(value, over.get(model, False), gauge.threshold, self.recover_below):
-            reason = f"load: {gauge.metric}={value:g} (degraded above {gauge.threshold:g}"
-            reason += f", until <= {self.recover_below:g})" if self.recover_below != gauge.threshold else ")"
-            await self.monitor.flags.set(name, model, reason, self.ttl, LOAD)
-            if not over.get(model):
-                metrics.DEGRADATIONS.labels(name, LOAD).inc()
-                log.warning("%s %s degraded: %s", name, model, reason)
-            over[model] = True
-        elif over.get(model):
-            await self.monitor.flags.clear(name, model, LOAD)
-            over[model] = False
-            log.warning("%s %s load back to %g", name, model, value)
+    async def _write_all(self, reason: str) -> None:
+        for model in self.upstream_names:
+            try:
+                await self._set(model, reason)
+            except RedisError as exc:
+                log.warning("load state of %s not written: %s", self.provider.name, exc)
+
+    async def _apply(self, model: str, values: dict[str, float]) -> None:
+        saturated = []
+        for signal in self.signals:
+            key = (model, signal.metric)
+            value = values[signal.metric]
+            self.over[key] = over_threshold(value, self.over.get(key, False), signal.threshold, signal.recovers_at)
+            if self.over[key]:
+                reason = f"{signal.metric}={value:g} (degraded above {signal.threshold:g}"
+                saturated.append(reason + (f", until <= {signal.recovers_at:g})" if signal.recovers_at != signal.threshold else ")"))
+        if saturated:
+            await self._set(model, "load: " + "; ".join(saturated))
+        elif self.flagged.get(model):
+            await self.monitor.flags.clear(self.provider.name, model, LOAD)
+            self.flagged[model] = False
+            log.warning("%s %s load back under every threshold: %s", self.provider.name, model,
+                        ", ".join(f"{metric}={value:g}" for metric, value in values.items()))
+
+    async def _set(self, model: str, reason: str) -> None:
+        name = self.provider.name
+        await self.monitor.flags.set(name, model, reason, self.ttl, LOAD)
+        if not self.flagged.get(model):
+            metrics.DEGRADATIONS.labels(name, LOAD).inc()
+            log.warning("%s %s degraded: %s", name, model, reason)
+        self.flagged[model] = True

@@ -91,6 +91,7 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
         self.leases = leases
         self.breaker = breaker
         self._routing_header = live.config.server.routing_header  # restart-only: Envoy must agree
+        self._client_may_not_send = [self._routing_header, live.config.server.affinity_header]
 
     def apply(self, live: LiveConfig) -> None:
         """Take a new live config: streams whose body arrives from now on decide with it."""
@@ -177,7 +178,7 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
             return answers.request_error(exc)
         except ValueError:
             return answers.request_error(RequestError(400, "invalid content-length", "invalid_header"))
-        return msg.continue_request_headers(remove=[self._routing_header])
+        return msg.continue_request_headers(remove=self._client_may_not_send)
 
     async def _on_request_body(self, stream: StreamState, request: ProcessingRequest) -> ProcessingResponse:
         body = request.request_body.body
@@ -208,10 +209,10 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
         decision = outcome.decision
         metrics.DECISIONS.labels(decision.provider.name, parsed.model, decision.reason.value).inc()
         stream.model = parsed.model
-        change = live.adapter.adapt(decision.provider, parsed.model, parsed.body)
+        change = live.adapter.adapt(decision.provider, parsed.model, parsed.body, routing_request.session_id)
         metadata = {"provider": decision.provider.name, "reason": decision.reason.value, "decision_ms": decision_ms}
         return msg.route_to_cluster(
-            self._routing_header, decision.provider.cluster, change.set_headers, change.remove, change.body, metadata
+            self._routing_header, change.cluster, change.set_headers, change.remove, change.body, metadata
         )
 
     async def _routing_request(self, stream: StreamState, parsed: ParsedRequest) -> RoutingRequest:

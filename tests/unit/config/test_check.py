@@ -10,7 +10,7 @@ import sys
 import pytest
 import yaml
 
-from extproc.config import envoy_check, parse_config
+from extproc.config import ConfigError, envoy_check, parse_config
 from extproc.config.examples import envoy_yaml, example_config
 from irislab.local_gateway import GatewayConfigError, LocalGateway
 from irislab.processes import ProcessError
@@ -69,8 +69,48 @@ def test_the_envoy_side_of_the_header():
     manager["early_header_mutation_extensions"] = []
     manager["route_config"]["virtual_hosts"][0]["routes"][0]["route"]["cluster_header"] = "x-other"
     problems = envoy_check.check(config, bootstrap)
-    assert len(problems) == 2 and "x-other" in problems[0] and "no early header mutation" in problems[1]
+    assert len(problems) == 3 and "x-other" in problems[0] and "no early header mutation" in problems[1]
+    assert "removes 'x-iris-affinity', so a client could pick its replica" in problems[2]
     assert envoy_check.check(config, {"static_resources": "nonsense"}) != []  # a shape, never an exception
+
+
+def test_a_pool_needs_a_consistent_hash_cluster_and_the_routes_hash_policy():
+    """A managed provider keeps its sessions' replica by hash (the default affinity): its cluster
+    must balance by consistent hash and the route must hash on server.affinity_header."""
+    config = parse_config(example())
+    bootstrap = yaml.safe_load(ENVOY.read_text())
+    clusters = {c["name"]: c for c in bootstrap["static_resources"]["clusters"]}
+    del clusters["iris-2"]["lb_policy"]
+    manager = bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    del manager["route_config"]["virtual_hosts"][0]["routes"][0]["route"]["hash_policy"]
+    problems = envoy_check.check(config, bootstrap)
+    assert problems == [
+        "provider iris-2: cluster 'iris-2' of envoy.yaml does not balance by consistent hash, so its sessions would lose their "
+        "replica's cache (lb_policy: MAGLEV or RING_HASH; or affinity: none)",
+        "envoy.yaml: the route with cluster_header has no hash_policy on 'x-iris-affinity' (server.affinity_header), so provider "
+        "iris-1's sessions would not keep their replica",
+    ]
+    data = example()
+    for provider in data["providers"][:2]:
+        provider["affinity"] = "none"
+    assert envoy_check.check(parse_config(data), bootstrap) == []  # no pool: nothing to hash
+
+
+def test_affinity_settings_are_checked():
+    data = example()
+    data["providers"][0].update(affinity="own_router")
+    data["providers"][1].update(router_session_header="dynamo", sessionless_cluster="iris-2")
+    data["providers"][2].update(affinity="session_hash", endpoints=["ftp://x", "https://api.example:443"])
+    with pytest.raises(ConfigError) as raised:
+        parse_config(data)
+    assert raised.value.problems == [
+        "providers[0].router_session_header: own_router needs one: a preset (dynamo, llm-d, sglang, vllm-router) or a header name",
+        "providers[1].router_session_header: only with affinity own_router",
+        "providers[1].sessionless_cluster: must differ from cluster (it balances by least request)",
+        "providers[2].affinity: an unlimited provider (a third party) never receives a session key: use none",
+        "providers[2].endpoints[0]: 'ftp://x' is not http(s)://host[:port]",
+        "providers[2].endpoints: mixes http and https (one cluster speaks one)",
+    ]
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ import pytest
 
 from extproc.config import ConfigError, LoadGauge, parse_config
 from extproc.operations.fleet_state import FleetStateReader
-from extproc.operations.health import HealthMonitor, Streak, display_url, gauge_values, over_threshold
+from extproc.operations.health import HealthMonitor, Streak, display_url, gauge_values, over_threshold, signal_values
 from extproc.routing.degraded import CONNECT, HEALTH, LOAD, MANUAL, PASSIVE, DegradedFlags
 from extproc.routing.router import RejectionKind, Router, RoutingRequest
 from extproc.routing.state import RoutingState
@@ -85,10 +85,25 @@ def test_gauge_values_per_model_and_in_total():
         'vllm:num_requests_waiting{model_name="other"} 3\n'
         'vllm:num_requests_running{model_name="up-m"} 99\n'
     )
-    per_model = LoadGauge(url="http://x/metrics", metric="vllm:num_requests_waiting", threshold=8, model_label="model_name")
-    assert gauge_values(text, per_model, {"m": "up-m", "e": "e"}) == {"m": 12.0, "e": 0.0}
-    total = LoadGauge(url="http://x/metrics", metric="vllm:num_requests_waiting", threshold=8)
-    assert gauge_values(text, total, {"m": "up-m"}) == {"m": 15.0}
+    assert gauge_values(text, "vllm:num_requests_waiting", "model_name", {"m": "up-m", "e": "e"}) == {"m": 12.0, "e": 0.0}
+    assert gauge_values(text, "vllm:num_requests_waiting", None, {"m": "up-m"}) == {"m": 15.0}
+
+
+def test_a_preset_reads_every_signal_of_its_engine_and_its_model_label():
+    text = (
+        'vllm:num_requests_waiting{model_name="up-m",engine="0"} 1\n'
+        'vllm:kv_cache_usage_perc{model_name="up-m",engine="0"} 0.97\n'
+    )
+    gauge = LoadGauge(url="http://x/metrics", preset="vllm")
+    metrics_read = [signal.metric for signal in gauge.all_signals()]
+    assert metrics_read == ["vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"] and gauge.label() == "model_name"
+    values = signal_values(text, metrics_read, gauge.label(), {"m": "up-m"})
+    assert values == {"vllm:num_requests_waiting": {"m": 1.0}, "vllm:kv_cache_usage_perc": {"m": 0.97}}
+    saturated = [s.metric for s in gauge.all_signals() if over_threshold(values[s.metric]["m"], False, s.threshold, s.recovers_at)]
+    assert saturated == ["vllm:kv_cache_usage_perc"]
+    with pytest.raises(ConfigError, match="load: needs a preset"):
+        parse_config(small_config_data(providers=[{"name": "p", "kind": "managed", "cluster": "p", "load": {"url": "http://x/m"},
+                                                   "models": {"m": {"features": ["chat"]}}}]))
 
 
 def test_load_degrades_above_the_threshold_until_back_at_recover_below():
@@ -204,3 +219,48 @@ async def test_unsupported_combination_is_named(redis_client, redis_url):
     router = Router(config, RoutingState(redis_client, config), DegradedFlags(redis_client, config))
     both = await router.execute_request(RoutingRequest("m", "chat", frozenset({"vision", "tools"}), "s"))
     assert both.message == "model 'm' does not support chat and tools and vision together: no provider serves that combination"
+
+
+async def test_a_stale_load_signal_fails_closed_until_a_reading_comes_back(redis_client, redis_url):
+    """stale_after_seconds: no reading for that long counts as saturated (llm-d's picker does the
+    same); the first reading under every threshold clears it."""
+    from aiohttp import web
+
+    from irislab.processes import free_port
+
+    port = free_port()
+    data = small_config_data(redis_url)
+    data["providers"][0]["load"] = {"url": f"http://127.0.0.1:{port}/metrics", "preset": "llamacpp",
+                                    "interval_seconds": 0.05, "timeout_seconds": 0.05, "stale_after_seconds": 0.3}
+    config = parse_config(data)
+    flags = DegradedFlags(redis_client, config)
+    monitor = HealthMonitor(config, redis_client, flags)
+    monitor.start()
+    try:
+        for _ in range(400):
+            await flags.refresh()
+            if flags.is_degraded("iris-1", "m"):
+                break
+            await asyncio.sleep(0.01)
+        assert flags.flags("iris-1", "m")[LOAD].startswith("load: no reading of http://127.0.0.1:")
+        assert flags.is_degraded("iris-1", "e") and not flags.is_degraded("iris-2", "m")
+
+        async def metrics(request):
+            return web.Response(text="llamacpp:requests_deferred 0\n")
+
+        app = web.Application()
+        app.router.add_get("/metrics", metrics)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        try:
+            for _ in range(400):
+                await flags.refresh()
+                if not flags.is_degraded("iris-1", "m"):
+                    break
+                await asyncio.sleep(0.01)
+            assert not flags.is_degraded("iris-1", "m") and not flags.is_degraded("iris-1", "e")
+        finally:
+            await runner.cleanup()
+    finally:
+        await monitor.close()

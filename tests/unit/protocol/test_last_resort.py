@@ -21,7 +21,7 @@ from tests.support.gateway import live_leases
 
 
 class BrokenAdapter:
-    def adapt(self, provider, model, body):
+    def adapt(self, provider, model, body, session_id=None):
         raise RuntimeError("internal detail the client must not see")
 
 

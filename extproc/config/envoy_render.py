@@ -1,0 +1,186 @@
+"""The Envoy bootstrap rendered from the routing config, so that one file is the source of both.
+
+`render(config, template)` starts from a template bootstrap (the shipped envoy/envoy.yaml: its
+listener, limits, ext_proc filter, access log and local replies) and makes it agree with the
+routing config:
+
+- the ext_proc filter's cluster reaches `server.listen`;
+- the route's cluster_header is `server.routing_header` and hashes on `server.affinity_header`;
+  the early header mutation removes both and the trusted identity headers (a client's own copies);
+- every provider with `endpoints` gets its cluster built from them: STATIC for IP addresses,
+  STRICT_DNS for names (a headless Service resolves to every replica), TLS with SNI for https;
+  MAGLEV for a pool whose sessions keep their replica (`session_hash`), LEAST_REQUEST otherwise;
+  the template's provider settings (timeouts, buffer limit, HTTP options, circuit breakers); for a
+  managed provider, Envoy's own health check of each replica and outlier detection, so that a
+  failed replica leaves the hash ring and only its sessions move; a `sessionless_cluster` over
+  the same replicas balancing by least request;
+- a provider without `endpoints` keeps the template's cluster of that name; the template's other
+  provider clusters are dropped.
+
+The result passes extproc.config.envoy_check against the same config (tested).
+"""
+
+from __future__ import annotations
+
+import copy
+import ipaddress
+from typing import Any
+from urllib.parse import urlsplit
+
+from extproc.config.envoy_check import EXT_PROC_FILTER, HCM_FILTER
+from extproc.config.schema import Affinity, Config, Provider, ProviderKind
+
+PROTOTYPE_KEYS = ("connect_timeout", "per_connection_buffer_limit_bytes", "typed_extension_protocol_options", "circuit_breakers")
+DEFAULT_HEALTH_PATH = "/health"
+TLS_SOCKET = "envoy.transport_sockets.tls"
+TLS_CONTEXT_TYPE = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext"
+
+
+class RenderError(ValueError):
+    """The template cannot carry the config: it lacks the listener, the ext_proc filter, or a
+    cluster that a provider without `endpoints` names."""
+
+
+def render(config: Config, template: dict[str, Any]) -> dict[str, Any]:
+    """The bootstrap for `config` from `template` (not modified). Raises RenderError."""
+    bootstrap = copy.deepcopy(template)
+    resources = bootstrap.get("static_resources") or {}
+    clusters = {c["name"]: c for c in resources.get("clusters") or []}
+    managers = [_typed(f) for listener in resources.get("listeners") or [] for chain in listener.get("filter_chains") or []
+                for f in chain.get("filters") or [] if f.get("name") == HCM_FILTER]
+    if not managers:
+        raise RenderError("the template has no listener with an http_connection_manager")
+    ext_proc_clusters = set()
+    for manager in managers:
+        ext_proc_clusters |= _point_ext_proc(manager, clusters, config.server.listen)
+        _set_route_headers(manager, config)
+    prototype = _provider_prototype(clusters, ext_proc_clusters)
+    rendered: dict[str, dict[str, Any]] = {}
+    for provider in config.providers:
+        if provider.endpoints:
+            rendered[provider.cluster] = _provider_cluster(provider, provider.cluster, prototype, sessions=True)
+            if provider.sessionless_cluster:
+                rendered[provider.sessionless_cluster] = _provider_cluster(provider, provider.sessionless_cluster, prototype, sessions=False)
+        else:
+            for name in filter(None, (provider.cluster, provider.sessionless_cluster)):
+                if name not in clusters:
+                    raise RenderError(f"provider {provider.name} has no endpoints and the template has no cluster {name!r}")
+                rendered[name] = clusters[name]
+    resources["clusters"] = [clusters[name] for name in clusters if name in ext_proc_clusters] + list(rendered.values())
+    return bootstrap
+
+
+def _typed(network_filter: dict[str, Any]) -> dict[str, Any]:
+    return network_filter.setdefault("typed_config", {})
+
+
+def _point_ext_proc(manager: dict[str, Any], clusters: dict[str, Any], listen: str) -> set[str]:
+    """Send each ext_proc filter's cluster to `listen` (0.0.0.0 or :: become loopback); return
+    the clusters' names."""
+    host, _, port = listen.rpartition(":")
+    host = host.strip("[]")
+    if host in ("", "0.0.0.0", "::"):
+        host = "127.0.0.1"
+    names = set()
+    for http_filter in manager.get("http_filters") or []:
+        if http_filter.get("name") != EXT_PROC_FILTER:
+            continue
+        name = ((http_filter.get("typed_config") or {}).get("grpc_service") or {}).get("envoy_grpc", {}).get("cluster_name")
+        if name not in clusters:
+            raise RenderError(f"the template's ext_proc filter names cluster {name!r}, which it lacks")
+        names.add(name)
+        endpoint = {"endpoint": {"address": {"socket_address": {"address": host, "port_value": int(port)}}}}
+        clusters[name]["load_assignment"] = {"cluster_name": name, "endpoints": [{"lb_endpoints": [endpoint]}]}
+    if not names:
+        raise RenderError("the template has no ext_proc filter with an envoy_grpc cluster")
+    return names
+
+
+def _set_route_headers(manager: dict[str, Any], config: Config) -> None:
+    """The routing route reads config's routing header and hashes on its affinity header; the
+    early mutation strips both, and the trusted identity headers, from clients."""
+    routing, affinity = config.server.routing_header, config.server.affinity_header
+    for host in (manager.get("route_config") or {}).get("virtual_hosts") or []:
+        for route in host.get("routes") or []:
+            action = route.get("route") or {}
+            if "cluster_header" not in action:
+                continue
+            old = action["cluster_header"]
+            action["cluster_header"] = routing
+            for matcher in (route.get("match") or {}).get("headers") or []:
+                if matcher.get("name") == old:
+                    matcher["name"] = routing
+            if route.get("request_headers_to_remove"):
+                route["request_headers_to_remove"] = [routing if h == old else h for h in route["request_headers_to_remove"]]
+            action["hash_policy"] = [{"header": {"header_name": affinity}}]
+    stripped = [routing, affinity, *config.session.trusted_identity_headers]
+    extensions = manager.setdefault("early_header_mutation_extensions", [])
+    if not extensions:
+        extensions.append({
+            "name": "envoy.http.early_header_mutation.header_mutation",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.http.early_header_mutation.header_mutation.v3.HeaderMutation",
+                "mutations": [],
+            },
+        })
+    mutations = extensions[0]["typed_config"].setdefault("mutations", [])
+    mutations[:] = [m for m in mutations if "remove" not in m] + [{"remove": header} for header in dict.fromkeys(stripped)]
+
+
+def _provider_prototype(clusters: dict[str, Any], ext_proc_clusters: set[str]) -> dict[str, Any]:
+    """The settings every rendered provider cluster copies: those of the template's first
+    provider cluster (any cluster but ext_proc's), else Envoy's defaults and a 2 s connect
+    timeout."""
+    for name, cluster in clusters.items():
+        if name not in ext_proc_clusters:
+            return {key: copy.deepcopy(cluster[key]) for key in PROTOTYPE_KEYS if key in cluster}
+    return {"connect_timeout": "2s"}
+
+
+def _provider_cluster(provider: Provider, name: str, prototype: dict[str, Any], sessions: bool) -> dict[str, Any]:
+    """The cluster `name` over `provider`'s endpoints; `sessions`: the cluster that carries the
+    provider's sessions (hashed for a pool), else the least-request one for sessionless requests."""
+    urls = [urlsplit(url) for url in provider.endpoints]
+    tls = urls[0].scheme == "https"
+    addresses = [(url.hostname, url.port or (443 if tls else 80)) for url in urls]
+    cluster: dict[str, Any] = {"name": name, "type": "STATIC" if all(_is_ip(host) for host, _ in addresses) else "STRICT_DNS"}
+    cluster.update(copy.deepcopy(prototype))
+    hashed = sessions and provider.session_affinity is Affinity.SESSION_HASH
+    cluster["lb_policy"] = "MAGLEV" if hashed else "LEAST_REQUEST"
+    if cluster["type"] == "STRICT_DNS":
+        cluster["dns_lookup_family"] = "V4_PREFERRED"
+    cluster["load_assignment"] = {
+        "cluster_name": name,
+        "endpoints": [{"lb_endpoints": [
+            {"endpoint": {"address": {"socket_address": {"address": host, "port_value": port}}}} for host, port in addresses
+        ]}],
+    }
+    if tls:
+        cluster["transport_socket"] = {
+            "name": TLS_SOCKET, "typed_config": {"@type": TLS_CONTEXT_TYPE, "sni": addresses[0][0]},
+        }
+    if provider.kind is ProviderKind.MANAGED:
+        cluster["health_checks"] = [{
+            "timeout": "1s", "interval": "2s", "unhealthy_threshold": 2, "healthy_threshold": 1,
+            "http_health_check": {"path": _health_path(provider)},
+        }]
+        cluster["outlier_detection"] = {
+            "consecutive_5xx": 5, "consecutive_local_origin_failure": 3, "split_external_local_origin_errors": True,
+            "interval": "5s", "base_ejection_time": "30s", "max_ejection_percent": 50,
+        }
+    return cluster
+
+
+def _health_path(provider: Provider) -> str:
+    """The path Envoy checks on each replica: the provider health check's path, else /health."""
+    if provider.health_check is not None:
+        return urlsplit(provider.health_check.url).path or DEFAULT_HEALTH_PATH
+    return DEFAULT_HEALTH_PATH
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
