@@ -17,13 +17,14 @@ import argparse
 import asyncio
 import logging
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from extproc.config import Config, ConfigError, ProviderKind, envoy_check, load_config
 from extproc.config.envoy_check import EnvoyConfigError
 from extproc.config.examples import envoy_yaml
 from extproc.routing.degraded import DEFAULT_MANUAL_TTL_SECONDS, MANUAL, DegradedFlags
-from extproc.storage.client import open_redis
+from extproc.storage.client import REDIS_FAILURES, open_redis
 
 log = logging.getLogger("iris-extproc")
 
@@ -34,18 +35,25 @@ def main(argv: list[str] | None = None) -> int:
     Such errors are printed without a traceback (a bad routing config: one line per problem)."""
     args = _parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return run_command("iris-extproc", args.func, args)
+
+
+def run_command(prog: str, func: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    """`func(args)`'s exit code; a routing config or Envoy file that cannot be used is printed
+    without a traceback (a bad routing config: one line per problem, others prefixed by `prog`)
+    and gives 2."""
     try:
-        return args.func(args)
+        return func(args)
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 2
     except EnvoyConfigError as exc:
-        print(f"iris-extproc: {exc}", file=sys.stderr)
+        print(f"{prog}: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:
         if exc.filename is None:
             raise
-        print(f"iris-extproc: cannot read {exc.filename}: {exc.strerror}", file=sys.stderr)
+        print(f"{prog}: cannot read {exc.filename}: {exc.strerror}", file=sys.stderr)
         return 2
 
 
@@ -123,15 +131,19 @@ def _serve(args) -> int:
                 print(f"iris-extproc: {exc}", file=sys.stderr)
                 return 2
         return supervise(worker_command(args.config, args.event_loop, args.log_level, args.envoy), args.workers)
-    if args.worker_index and config.server.metrics_listen:
-        from extproc.operations.workers import worker_metrics_listen
+    adjust = None
+    if args.worker_index:
+        from functools import partial
 
-        server = config.server.model_copy(update={"metrics_listen": worker_metrics_listen(config.server.metrics_listen, args.worker_index)})
-        config = config.model_copy(update={"server": server})
+        from extproc.operations.workers import worker_config
+
+        # Worker i's own settings (its metrics port), at start and on every reload alike.
+        adjust = partial(worker_config, index=args.worker_index)
+        config = adjust(config)
     try:
         if args.envoy:
             check_pair(config, args.config, args.envoy)
-        run_event_loop(serve(config, config_path=args.config, envoy_path=args.envoy), args.event_loop)
+        run_event_loop(serve(config, config_path=args.config, envoy_path=args.envoy, adjust=adjust), args.event_loop)
     except (SecretMissing, CredentialError, PairDisagrees) as exc:
         print(f"iris-extproc: {exc}", file=sys.stderr)
         return 2
@@ -240,7 +252,6 @@ def _status(args) -> int:
     operator's flag holds) and why, each flag with its source, reason and the time it still
     holds; then the live proxy instances. Unlimited providers are never degraded. Exit code 1,
     with one line on stderr, when Redis cannot be read."""
-    from redis.exceptions import RedisError
 
     from extproc.operations.fleet_state import FleetStateReader
 
@@ -255,7 +266,7 @@ def _status(args) -> int:
 
     try:
         fleet = asyncio.run(read())
-    except RedisError as exc:
+    except REDIS_FAILURES as exc:
         print(f"iris-extproc: cannot read the routing state from Redis at {_redis_address(config.redis)}: {exc}", file=sys.stderr)
         return 1
     if args.json:

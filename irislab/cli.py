@@ -18,9 +18,8 @@ from pathlib import Path
 
 import yaml
 
-from extproc.cli import PairDisagrees, check_pair
-from extproc.config import ConfigError, load_config
-from extproc.config.envoy_check import EnvoyConfigError
+from extproc.cli import PairDisagrees, check_pair, run_command
+from extproc.config import load_config
 from extproc.config.examples import envoy_yaml, example_config
 from irislab.demo import run_demo
 from irislab.local_gateway import LocalGateway, ProviderSimulation
@@ -32,19 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     used, 1 when the gateway did not start)."""
     args = _parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        return args.func(args)
-    except ConfigError as exc:
-        print(exc, file=sys.stderr)
-        return 2
-    except EnvoyConfigError as exc:
-        print(f"iris-lab: {exc}", file=sys.stderr)
-        return 2
-    except OSError as exc:
-        if exc.filename is None:
-            raise
-        print(f"iris-lab: cannot read {exc.filename}: {exc.strerror}", file=sys.stderr)
-        return 2
+    return run_command("iris-lab", args.func, args)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -93,14 +80,6 @@ def _up(args) -> int:
     finally:
         gateway.stop()
     return 0
-
-
-def _wait_for_signal() -> None:
-    received = []
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda signum, frame: received.append(signum))
-    while not received:
-        signal.pause()
 
 
 def _wait_for_signal() -> None:

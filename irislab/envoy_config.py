@@ -78,6 +78,57 @@ def render_onto(bootstrap: dict[str, Any], listener_port: int, admin_port: int, 
     return bootstrap
 
 
+CLAIMED_IDENTITY_PREFIX = "x-lab-claimed-"
+
+
+def with_stand_in_authentication(bootstrap: dict[str, Any], headers: list[str]) -> dict[str, Any]:
+    """`bootstrap` (modified in place and returned) with a stand-in for an authenticating filter
+    (jwt_authn's claim_to_headers, ext_authz) setting each trusted identity header of `headers`:
+    the early header mutation copies what the client sent in the header to a lab-only header and
+    strips the header itself (so `iris-extproc check` agrees: no client can set it), then a
+    header_mutation filter before ext_proc sets the header from the copy and drops the copy. The
+    tests' clients send the identity they claim in the header itself, as a verified token's claim
+    would set it. For the lab only: a real deployment authenticates the client there."""
+    for manager in _connection_managers(bootstrap):
+        extensions = manager.setdefault("early_header_mutation_extensions", [])
+        if not extensions:
+            extensions.append({"name": "envoy.http.early_header_mutation.header_mutation", "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.http.early_header_mutation.header_mutation.v3.HeaderMutation",
+                "mutations": []}})
+        mutations = extensions[0]["typed_config"].setdefault("mutations", [])
+        request_mutations = []
+        for header in headers:
+            claimed = CLAIMED_IDENTITY_PREFIX + header
+            mutations[:0] = [{"remove": claimed}, {"append": {"header": {"key": claimed, "value": f"%REQ({header})%"},
+                                                              "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}}]
+            mutations.append({"remove": header})
+            request_mutations += [{"append": {"header": {"key": header, "value": f"%REQ({claimed})%"},
+                                              "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}},
+                                  {"remove": claimed}]
+        manager["http_filters"].insert(0, {
+            "name": "envoy.filters.http.header_mutation",
+            "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.HeaderMutation",
+                             "mutations": {"request_mutations": request_mutations}},
+        })
+    return bootstrap
+
+
+def unstripped_identity_headers(bootstrap: dict[str, Any], headers: list[str]) -> list[str]:
+    """The headers of `headers` that no early header mutation of `bootstrap` removes."""
+    removed = {
+        str(mutation.get("remove", "")).lower()
+        for manager in _connection_managers(bootstrap)
+        for extension in manager.get("early_header_mutation_extensions") or []
+        for mutation in (extension.get("typed_config") or {}).get("mutations") or []
+    }
+    return [header for header in headers if header.lower() not in removed]
+
+
+def _connection_managers(bootstrap: dict[str, Any]) -> list[dict[str, Any]]:
+    return [f["typed_config"] for listener in bootstrap["static_resources"]["listeners"] for chain in listener["filter_chains"]
+            for f in chain["filters"] if f["name"] == "envoy.filters.network.http_connection_manager"]
+
+
 def write(bootstrap: dict[str, Any], path: Path) -> Path:
     """Write a bootstrap as YAML and return the path."""
     path.write_text(yaml.safe_dump(bootstrap, sort_keys=False))

@@ -19,7 +19,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import yaml
 
-from extproc.config import Config, Provider, envoy_check, envoy_render, parse_config
+from extproc.config import Config, IdentitySource, Provider, envoy_check, envoy_render, parse_config
 from extproc.config.examples import example_config
 from irislab import envoy_config
 from irislab.processes import (
@@ -176,7 +176,8 @@ class LocalGateway(StartedTogether):
             except envoy_render.RenderError as exc:
                 raise GatewayConfigError(str(exc)) from None
         else:
-            problems = envoy_check.check_files(self.config, self.envoy_source, addresses=False)
+            template = self._with_stand_in_authentication(envoy_config.load_envoy_yaml(self.envoy_source))
+            problems = envoy_check.check(self.config, template, str(self.envoy_source), addresses=False)
             if problems:
                 raise GatewayConfigError("; ".join(problems))
         if self.real_providers:
@@ -318,6 +319,7 @@ class LocalGateway(StartedTogether):
             bootstrap = self._rendered_bootstrap(listener_port, admin_port, cluster_ports)
         else:
             bootstrap = envoy_config.render(listener_port, admin_port, cluster_ports, source=self.envoy_source)
+        bootstrap = self._with_stand_in_authentication(bootstrap)
         envoy_path = envoy_config.write(bootstrap, self.work_dir / f"envoy-{index}.yaml")
         extprocs = []
         for name, (config_path, grpc_port, metrics_port) in zip(names, configs):
@@ -343,6 +345,17 @@ class LocalGateway(StartedTogether):
         _wait_until_up(envoy)
         config_path, _, metrics_port = configs[0]
         return Instance(index, envoy, extprocs[0], listener_port, admin_port, config_path, metrics_port, extprocs)
+
+    def _with_stand_in_authentication(self, bootstrap: dict[str, Any]) -> dict[str, Any]:
+        """`bootstrap` with the lab's stand-in for an authenticating filter for each trusted
+        identity header of the config that the Envoy file does not strip itself
+        (envoy_config.with_stand_in_authentication): the tests' clients claim their identity in
+        that header, as a verified token's claim would set it."""
+        session = self.config.session
+        if IdentitySource.TRUSTED_HEADER not in session.identity_sources:
+            return bootstrap
+        headers = envoy_config.unstripped_identity_headers(bootstrap, session.trusted_identity_headers)
+        return envoy_config.with_stand_in_authentication(bootstrap, headers) if headers else bootstrap
 
     def _rendered_bootstrap(self, listener_port: int, admin_port: int, cluster_ports: dict[str, int | list[int]]) -> dict[str, Any]:
         """The bootstrap `iris-extproc envoy-config` renders from the config, the simulated

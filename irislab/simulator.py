@@ -133,6 +133,8 @@ class SimulatorState:
         the prompt tokens; completion tokens count what was actually sent).
     last_request_headers: headers (lowercase name -> value) of the last 50 inference requests.
     last_request_models: the ``model`` values of the last 50 inference requests, as received.
+    last_request_fields: the top-level field names of the JSON bodies of the last 50 inference
+        requests, as received (names only: what a body carried, never its content).
     health_checks / health_checks_failed: ``GET /health`` requests, and those answered 503;
     health_checks_failed_by_client: the same per ``client`` query parameter (``/health?client=x``).
     running / waiting: generations running now, and those waiting for one of the
@@ -153,6 +155,7 @@ class SimulatorState:
         default_factory=lambda: deque(maxlen=RECENT_REQUESTS)
     )
     last_request_models: deque[Any] = field(default_factory=lambda: deque(maxlen=RECENT_REQUESTS))
+    last_request_fields: deque[list[str]] = field(default_factory=lambda: deque(maxlen=RECENT_REQUESTS))
     health_checks: int = 0
     health_checks_failed: int = 0
     health_checks_failed_by_client: dict[str, int] = field(default_factory=dict)
@@ -198,6 +201,7 @@ class SimulatorState:
         self.requests_by_status.clear()
         self.last_request_headers.clear()
         self.last_request_models.clear()
+        self.last_request_fields.clear()
 
     def snapshot(self) -> dict[str, Any]:
         """All counters as a JSON-ready dict."""
@@ -213,6 +217,7 @@ class SimulatorState:
             "completion_tokens": self.completion_tokens,
             "last_request_headers": list(self.last_request_headers),
             "last_request_models": list(self.last_request_models),
+            "last_request_fields": list(self.last_request_fields),
             "health_checks": self.health_checks,
             "health_checks_failed": self.health_checks_failed,
             "health_checks_failed_by_client": dict(self.health_checks_failed_by_client),
@@ -759,6 +764,7 @@ class _Service:
             body = await _read_json_object(request)
             model = body.get("model")
             self.state.last_request_models.append(model)
+            self.state.last_request_fields.append(list(body))
             if not isinstance(model, str):
                 raise _invalid("'model' must be a string")
             self.state.model_started(exchange, model)

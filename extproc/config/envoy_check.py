@@ -2,11 +2,15 @@
 
 The two files are kept by hand and must agree (docs/operations.md "The config pair"): every provider's
 `cluster` is a cluster of the Envoy bootstrap; the routing header (`server.routing_header`) is the
-route's `cluster_header` and is removed by the early header mutation; a provider whose sessions
+route's `cluster_header` and is removed by the early header mutation; so is each trusted identity
+header (`session.trusted_identity_headers`, when `trusted_header` is an identity source), else
+any client could claim any identity; a provider whose sessions
 keep their replica by hash (Affinity `session_hash`) has a consistent-hash cluster, the route
 hashes on `server.affinity_header` and the early header mutation removes it too; a
 `sessionless_cluster` exists and does not hash; the ext_proc filter's cluster reaches
-`server.listen`'s port; each health-check and load URL points at the provider's own cluster (the
+`server.listen`'s port, and its `mutation_rules` let the server remove every `x-envoy-*` header
+it must remove (`adaptation.private_headers`, ...: Envoy ignores such a removal otherwise); each
+health-check and load URL points at the provider's own cluster (the
 same host and port when the cluster is STATIC). `check` answers one plain
 sentence per disagreement; an empty list means the pair agrees. Used by `iris-extproc check`,
 `serve --envoy`, `up` and the configuration reload.
@@ -15,19 +19,21 @@ sentence per disagreement; an empty list means the pair agrees. Used by `iris-ex
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import yaml
 
-from extproc.config import Affinity, Config, Provider, ProviderKind
+from extproc.config import Affinity, Config, IdentitySource, Provider, ProviderKind
 
 EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
 HCM_FILTER = "envoy.filters.network.http_connection_manager"
 LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
 HASH_LB_POLICIES = frozenset({"RING_HASH", "MAGLEV"})
 HASH_LB_EXTENSIONS = ("envoy.load_balancing_policies.ring_hash", "envoy.load_balancing_policies.maglev")
+ENVOY_HEADER_PREFIX = "x-envoy-"  # Envoy's own headers: an ext_proc mutation needs mutation_rules to touch them
 
 
 class EnvoyConfigError(ValueError):
@@ -69,10 +75,12 @@ def check(config: Config, bootstrap: dict[str, Any], envoy_name: str = "envoy.ya
         problems.append(f"{envoy_name}: no listener with an http_connection_manager")
     for manager in managers:
         problems += _header_problems(config.server.routing_header, manager, envoy_name)
+        problems += _identity_header_problems(config, manager, envoy_name)
         if hashed:
             problems += _hash_policy_problems(config.server.affinity_header, hashed[0].name, manager, envoy_name)
         if addresses:
             problems += _ext_proc_problems(config.server.listen, manager, clusters, envoy_name)
+        problems += _mutation_rule_problems(config, manager, envoy_name)
     if addresses:
         for provider in config.providers:
             cluster = clusters.get(provider.cluster)
@@ -177,6 +185,63 @@ def _header_problems(header: str, manager: dict[str, Any], envoy_name: str) -> l
             "(early_header_mutation_extensions: remove)"
         )
     return problems
+
+
+def _identity_header_problems(config: Config, manager: dict[str, Any], envoy_name: str) -> list[str]:
+    """Each trusted identity header is removed by the early mutation, as the routing header is:
+    only a filter after it (the authenticating one) may set it. Not checked when `trusted_header`
+    is no identity source (the headers are then never read)."""
+    if IdentitySource.TRUSTED_HEADER not in config.session.identity_sources:
+        return []
+    removed = _removed_early(manager)
+    return [
+        f"{envoy_name}: no early header mutation removes {header!r} (session.trusted_identity_headers), so any client could "
+        "claim an identity (early_header_mutation_extensions: remove; an authenticating filter then sets it)"
+        for header in config.session.trusted_identity_headers
+        if header.lower() not in removed
+    ]
+
+
+def _mutation_rule_problems(config: Config, manager: dict[str, Any], envoy_name: str) -> list[str]:
+    """The ext_proc filter's mutation_rules let the server remove every x-envoy-* header it removes
+    from requests (by default Envoy ignores those mutations, counting rejected_header_mutations)."""
+    session = config.session
+    removed = [*config.adaptation.client_credential_headers, *config.adaptation.private_headers, *session.trusted_identity_headers,
+               *session.session_headers, *session.agent_session_headers]
+    envoy_headers = [h for h in dict.fromkeys(h.lower() for h in removed) if h.startswith(ENVOY_HEADER_PREFIX)]
+    problems = []
+    for ext_proc in (_dict(f) for f in _list(manager.get("http_filters")) if _dict(f).get("name") == EXT_PROC_FILTER):
+        rules = _dict(_dict(ext_proc.get("typed_config")).get("mutation_rules"))
+        for header in envoy_headers:
+            if not _may_remove(rules, header):
+                problems.append(
+                    f"{envoy_name}: the ext_proc filter may not remove {header!r}, so it would reach third parties "
+                    "(ext_proc mutation_rules: allow_envoy: true)"
+                )
+    return problems
+
+
+def _may_remove(rules: dict[str, Any], header: str) -> bool:
+    """Whether Envoy's HeaderMutationRules `rules` let ext_proc remove the x-envoy-* `header`
+    (Envoy's Checker, in its order: disallow_expression, allow_expression, disallow_all, allow_envoy)."""
+    if _full_match(rules.get("disallow_expression"), header):
+        return False
+    if _full_match(rules.get("allow_expression"), header):
+        return True
+    return not _truthy(rules.get("disallow_all")) and _truthy(rules.get("allow_envoy"))
+
+
+def _full_match(matcher: Any, header: str) -> bool:
+    regex = _dict(matcher).get("regex")
+    try:
+        return isinstance(regex, str) and re.fullmatch(regex, header) is not None
+    except re.error:
+        return False
+
+
+def _truthy(value: Any) -> bool:
+    """A BoolValue as YAML writes it: `true`, or `{value: true}`."""
+    return value is True or _dict(value).get("value") is True
 
 
 def _ext_proc_problems(listen: str, manager: dict[str, Any], clusters: dict[str, Any], envoy_name: str) -> list[str]:

@@ -278,7 +278,17 @@ class Provider(_Strict):
     preset (`dynamo`, `llm-d`, `sglang`, `vllm-router`) or the header's own name.
     `sessionless_cluster`: an Envoy cluster over the same replicas with `lb_policy:
     LEAST_REQUEST`, for the requests without a session (embeddings, for one); without it they go
-    to `cluster`, where a consistent-hash balancer picks a replica at random."""
+    to `cluster`, where a consistent-hash balancer picks a replica at random.
+
+    `forward_client_identity` (unlimited providers only; default false): whether a third party
+    receives what says who the client is, as an own provider does. By default a request sent to
+    an unlimited provider loses `adaptation.private_headers` (cookies, the client's address
+    headers, including Envoy's `x-envoy-external-address`), the trusted identity headers, the
+    session and agent session headers (`session.session_headers`,
+    `session.agent_session_headers`) and the body's `user` and `safety_identifier`; true sends
+    them on unchanged (for a third party under contract that needs them, for abuse reports for
+    one). Own (managed) providers always receive them, and the client's credential headers are
+    removed before every provider whatever this says."""
 
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9._-]+$")
     kind: ProviderKind
@@ -291,6 +301,7 @@ class Provider(_Strict):
     affinity: Affinity | None = None
     router_session_header: str | None = Field(default=None, pattern=_HEADER_NAME)
     sessionless_cluster: str | None = Field(default=None, min_length=1, pattern=r"^[A-Za-z0-9._-]+$")
+    forward_client_identity: bool = False
 
     @property
     def session_affinity(self) -> Affinity:

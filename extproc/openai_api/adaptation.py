@@ -3,16 +3,18 @@
 Clients talk to one OpenAI endpoint with the gateway's model names; each provider may name a
 model its own way and want its own API key. For the chosen (provider, model) this module gives:
 
-- the body with `model` rewritten to the pair's `upstream_model` (None when there is none, so
-  the body goes on untouched; the caller sets `content-length` with a new body);
+- the body with `model` rewritten to the pair's `upstream_model` (None when nothing in the
+  body changes, so the body goes on untouched; the caller sets `content-length` with a new body);
 - the provider's credential header (`authorization: Bearer <key>` or a configured header) read
   once at start-up from an environment variable or a file, never from the configuration file;
 - the client's own credential headers (`adaptation.client_credential_headers`) to remove, so a
   client's key never reaches a provider;
-- for an unlimited provider (a third party), the headers that say who the client is or where it
-  connects from (`adaptation.private_headers`: cookies, forwarded-for, ..., and the session's
-  trusted identity headers) to remove as well: nothing of the client's identity leaves for a
-  third party;
+- for an unlimited provider (a third party) without `forward_client_identity`, what says who
+  the client is or where it connects from, removed as well: the headers of
+  `adaptation.private_headers` (cookies, forwarded-for, Envoy's `x-envoy-external-address`,
+  ...), the session's trusted identity headers, its session and agent session headers, and the
+  body's `user` and `safety_identifier` (CLIENT_IDENTITY_FIELDS): nothing of the client's
+  identity leaves for a third party. Own providers get them unchanged;
 - the session's affinity inside the provider (config Affinity): an opaque key of the session in
   the header Envoy's route hashes on (a pool) or in the header the provider's own router reads,
   and the cluster (a pool's `sessionless_cluster` for a request without a session).
@@ -32,6 +34,10 @@ from pathlib import Path
 import orjson
 
 from extproc.config import Config, Credentials, Provider, ProviderKind
+
+# The body fields that name the client (OpenAI's end-user id and its successor): a third party
+# gets neither unless its provider forwards the client's identity.
+CLIENT_IDENTITY_FIELDS = ("user", "safety_identifier")
 
 
 class CredentialError(RuntimeError):
@@ -63,7 +69,8 @@ class RequestAdapter:
     def __init__(self, config: Config, environ: Mapping[str, str] | None = None):
         environ = os.environ if environ is None else environ
         self._client_headers = [h.lower() for h in config.adaptation.client_credential_headers]
-        private = [*config.adaptation.private_headers, *config.session.trusted_identity_headers]
+        session = config.session
+        private = [*config.adaptation.private_headers, *session.trusted_identity_headers, *session.session_headers, *session.agent_session_headers]
         self._private_headers = [h for h in dict.fromkeys(h.lower() for h in private) if h not in self._client_headers]
         self._credentials: dict[str, tuple[str, str]] = {}
         for provider in config.providers:
@@ -92,13 +99,21 @@ class RequestAdapter:
         if credential is not None:
             headers[credential[0]] = credential[1]
         remove = [h for h in self._client_headers if h not in headers]
-        if provider.kind is ProviderKind.UNLIMITED:
+        private = provider.kind is ProviderKind.UNLIMITED and not provider.forward_client_identity
+        if private:
             remove += [h for h in self._private_headers if h not in headers]
+        return Adaptation(cluster, headers, remove, self._body(provider, model, body, private))
+
+    def _body(self, provider: Provider, model: str, body: dict, private: bool) -> bytes | None:
+        """The body for `provider`: `model` renamed to the pair's upstream name and, when
+        `private`, the client's identity fields dropped; None when neither changes anything."""
         upstream = self._upstream_models.get((provider.name, model))
-        new_body = None
-        if upstream is not None:
-            new_body = orjson.dumps({**body, "model": upstream})
-        return Adaptation(cluster, headers, remove, new_body)
+        dropped = [name for name in CLIENT_IDENTITY_FIELDS if name in body] if private else []
+        if upstream is None and not dropped:
+            return None
+        if dropped:
+            body = {name: value for name, value in body.items() if name not in dropped}
+        return orjson.dumps({**body, "model": upstream} if upstream is not None else body)
 
 
 def affinity_key(session_id: str) -> str:

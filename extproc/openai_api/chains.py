@@ -8,7 +8,9 @@ that produced it; an OpenAI-compatible server that never saw the id answers 404.
 
 inside the model's hash tag (a Redis Cluster keeps it in the slot of everything else the request
 touches), with a TTL of `pin_inactivity_timeout_seconds + lease_timeout_seconds`: as long as the
-session's pin can live after that answer. The provider is recorded only when the response is
+session's pin can live after that answer. The TTL starts again while the answer streams and when
+it ends (`refresh`, as the request's lease is renewed): a long stream keeps its chain as long as
+its pin. The provider is recorded only when the response is
 stored (`store` is not false): a response that is not stored binds the next turn to nothing but
 its session. The key hashes the identity in, so another identity that learned the id finds
 nothing.
@@ -72,6 +74,12 @@ class ResponseChains:
         """Remember `response_id` -> `link` for as long as the session's pin can live."""
         value = orjson.dumps([link.session_id or "", link.provider or ""])
         await self.redis.set(self.key(model, identity, response_id), value, px=self.ttl_ms)
+
+    async def refresh(self, model: str, identity: str, response_id: str) -> None:
+        """Start the record's TTL again, while the answer that produced it streams and at its end: a
+        stream longer than the TTL would otherwise lose its chain before the session's pin, whose
+        timeout starts at the request's end. A record that is gone stays gone."""
+        await self.redis.pexpire(self.key(model, identity, response_id), self.ttl_ms)
 
 
 class ResponseIdReader:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +40,7 @@ ENDPOINTS = {
 MODELS_PATH = "/v1/models"
 
 _IMAGE_PART_TYPES = frozenset({"image_url", "input_image", "image"})
+_STRING_OR_NULL = (str, type(None))  # what a message's, an input item's or a content part's `type` may be
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +66,9 @@ def feature_for_path(path: str) -> str:
 
 def parse_request(feature: str, raw: bytes, completions_prefix_chars: int) -> ParsedRequest:
     """Decode and check the body of a request for `feature`. Raises RequestError (400) for a body
-    that is not a JSON object (invalid JSON, not UTF-8, nested too deep) or lacks required fields."""
+    that is not a JSON object (invalid JSON, not UTF-8, nested too deep), lacks required fields or
+    holds a message, input item or content part whose `type` is not a string (`invalid_type`,
+    naming the field: `messages[0].content[1].type must be a string`)."""
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -190,6 +194,8 @@ def _canonical(value: Any) -> bytes:
 
 
 def _sub_features(body: dict[str, Any]) -> frozenset[str]:
+    """The sub-features `body` uses (tools, json_schema, vision). Raises RequestError (400,
+    invalid_type) for a message, input item or content part whose `type` is not a string."""
     found = set()
     if body.get("tools") or body.get("functions"):
         found.add("tools")
@@ -198,18 +204,58 @@ def _sub_features(body: dict[str, Any]) -> frozenset[str]:
     for fmt in (response_format, text_format):
         if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
             found.add("json_schema")
-    if _has_image(body.get("messages")) or _has_image(body.get("input")):
+    # Both lists are always walked (no short cut), so a malformed `type` in either is refused.
+    in_messages = _has_image(body.get("messages"), "messages")
+    in_input = _has_image(body.get("input"), "input")
+    if in_messages or in_input:
         found.add("vision")
     return frozenset(found)
 
 
-def _has_image(items: Any) -> bool:
+def _has_image(items: Any, field: str) -> bool:
+    """Whether `items` (the value of the body's `field`: chat messages or Responses input items)
+    is a list holding an image content part (`items[i].content[j].type`). Other shapes are
+    ignored: `items` not a list, an item not an object, a `content` not a list, a part not an
+    object. Raises RequestError (400, invalid_type) for an item or a part whose `type` is not a
+    string (nor null)."""
     if not isinstance(items, list):
         return False
-    for item in items:
-        content = item.get("content") if isinstance(item, dict) else None
-        if isinstance(content, list):
-            for part in content:
-                if isinstance(part, dict) and part.get("type") in _IMAGE_PART_TYPES:
-                    return True
-    return False
+    found = False
+    for item in items:  # the hot path: no index counted, no call made unless a `type` is wrong
+        if not isinstance(item, dict):
+            continue
+        if not isinstance(item.get("type"), _STRING_OR_NULL):
+            raise _type_error(items, field)
+        content = item.get("content")
+        if not isinstance(content, list):
+            continue
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str):
+                found = found or kind in _IMAGE_PART_TYPES
+            elif kind is not None:  # a list or an object cannot even be looked up (unhashable)
+                raise _type_error(items, field)
+    return found
+
+
+
+def _type_error(items: list[Any], field: str) -> RequestError:
+    """The 400 (invalid_type) naming the first item or part of `items` (the body's `field`) whose
+    `type` is neither a string nor null, for example `messages[0].content[1].type must be a string`."""
+    for where, value in _typed_objects(items, field):
+        if not isinstance(value.get("type"), _STRING_OR_NULL):
+            return RequestError(400, f"{where}.type must be a string", "invalid_type", param=f"{where}.type")
+    return RequestError(400, f"'{field}' holds a 'type' that is not a string", "invalid_type", param=field)  # not reached
+
+
+def _typed_objects(items: list[Any], field: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(location, object) for each object item of `items` and each object part of its `content`
+    list, in order: (`messages[0]`, item), (`messages[0].content[0]`, part), ..."""
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            continue
+        yield f"{field}[{i}]", item
+        content = item.get("content")
+        for j, part in enumerate(content if isinstance(content, list) else ()):
+            if isinstance(part, dict):
+                yield f"{field}[{i}].content[{j}]", part

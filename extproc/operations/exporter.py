@@ -12,11 +12,11 @@ from collections.abc import Callable, Iterator
 from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
-from redis.exceptions import RedisError
 
 from extproc.metrics import MODEL, REDIS_BREAKER_OPEN, REDIS_ERRORS
 from extproc.operations.fleet_state import CachedFleetState, FleetState
 from extproc.routing.degraded import SOURCES
+from extproc.storage.client import REDIS_FAILURES
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ class FleetCollector(Collector):
             state = self.fleet.get()
         except Exception as exc:  # noqa: BLE001 (a scrape never fails: it says up 0)
             log.warning("fleet state not read for metrics: %s", exc)
-            if isinstance(exc, RedisError):
+            if isinstance(exc, REDIS_FAILURES):
                 REDIS_ERRORS.labels("fleet_state").inc()
             up.add_metric([], 0)
             return iter([up])

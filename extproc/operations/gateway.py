@@ -13,13 +13,13 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Callable
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 from grpc_health.v1 import health as grpc_health
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from redis.exceptions import RedisError
 
 from extproc import metrics
 from extproc.config import Config
@@ -32,7 +32,7 @@ from extproc.protocol.stream import ExternalProcessor
 from extproc.routing.degraded import DegradedFlags
 from extproc.routing.lease_table import LeaseTable
 from extproc.routing.outage import InstanceRegistry, OutagePolicy, RedisBreaker
-from extproc.storage.client import open_redis
+from extproc.storage.client import REDIS_FAILURES, open_redis
 from extproc.supervision import run_every
 
 log = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ class Gateway:
             await self.leases.state.load_scripts()
             await self.leases.refresh_epoch()
             await self.degraded.refresh()
-        except RedisError as exc:
+        except REDIS_FAILURES as exc:
             log.warning("redis not reachable at start-up, continuing: %s", exc)
         # Supervised (extproc.supervision): a step that raises is restarted, counted and logged.
         redis = self.config.redis
@@ -120,7 +120,7 @@ class Gateway:
             if not self.breaker.is_open:
                 await self.leases.refresh_epoch()
             self.breaker.record_success()
-        except RedisError as exc:
+        except REDIS_FAILURES as exc:
             metrics.REDIS_ERRORS.labels("heartbeat").inc()
             self.breaker.record_failure(exc)
 
@@ -132,7 +132,7 @@ class Gateway:
         try:
             await self.degraded.refresh()
             adopted = await self.leases.recover()
-        except RedisError:
+        except REDIS_FAILURES:
             return
         log.info("shared routing resumed; %d local leases adopted into Redis", adopted)
 
@@ -184,7 +184,7 @@ class Gateway:
             task.cancel()
         try:
             await self.registry.leave()
-        except RedisError:
+        except REDIS_FAILURES:
             pass
         await self.redis.aclose()
 
@@ -197,17 +197,21 @@ def _health_inputs(config: Config) -> tuple:
     return providers, config.degradation, config.redis.key_prefix
 
 
-async def serve(config: Config, config_path: str | None = None, envoy_path: str | None = None) -> None:
+async def serve(
+    config: Config, config_path: str | None = None, envoy_path: str | None = None, adjust: Callable[[Config], Config] | None = None,
+) -> None:
     """Run the ext_proc server until SIGTERM or SIGINT, then drain and return. With `config_path`
     (the file `config` was read from) the routing config is reloaded on SIGHUP and when the file
-    changes (extproc.operations.reload), checked against `envoy_path` when given.
+    changes (extproc.operations.reload), checked against `envoy_path` when given. `adjust`: what
+    turned the file's config into `config` (`serve --workers`: worker i's metrics port), applied
+    to every reloaded one too.
 
     Raises SecretMissing, adaptation.CredentialError."""
     grpc_logs.quiet_peer_gone_errors()
     gateway = Gateway(config, session_secret(config))
     await gateway.start()
     try:
-        await _serve_started(gateway, config, config_path, envoy_path)
+        await _serve_started(gateway, config, config_path, envoy_path, adjust)
     except BaseException:
         # A failure after start (say, the metrics port taken) must not leave the gRPC server and
         # background tasks running: the process would never exit.
@@ -216,7 +220,9 @@ async def serve(config: Config, config_path: str | None = None, envoy_path: str 
         raise
 
 
-async def _serve_started(gateway: Gateway, config: Config, config_path: str | None, envoy_path: str | None) -> None:
+async def _serve_started(
+    gateway: Gateway, config: Config, config_path: str | None, envoy_path: str | None, adjust: Callable[[Config], Config] | None = None,
+) -> None:
     """`serve` once the gateway runs: signals, reload, metrics, then the drain on SIGTERM."""
     metrics.CONFIG_LAST_SUCCESS.set(time.time())
     stop = asyncio.Event()
@@ -226,7 +232,7 @@ async def _serve_started(gateway: Gateway, config: Config, config_path: str | No
     metrics_server = None
     watcher = None
     if config_path is not None:
-        reloader = ConfigReloader(gateway, config_path, envoy_path)
+        reloader = ConfigReloader(gateway, config_path, envoy_path, adjust=adjust)
         loop.add_signal_handler(signal.SIGHUP, reloader.request)
         watcher = asyncio.create_task(reloader.run_forever())
     if config.server.metrics_listen:

@@ -34,13 +34,12 @@ from urllib.parse import urlsplit, urlunsplit
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 from redis.asyncio import Redis
-from redis.exceptions import RedisError
 
 from extproc import metrics
 from extproc.config import Config, HealthCheck, LoadGauge, Provider, ProviderKind
 from extproc.routing.degraded import CONNECT, HEALTH, LOAD, PASSIVE, DegradedFlags
 from extproc.routing.state import script_source
-from extproc.storage.client import LuaScript
+from extproc.storage.client import REDIS_FAILURES, LuaScript, in_own_task
 from extproc.storage.keys import Keyspace
 from extproc.supervision import run_every
 
@@ -196,8 +195,8 @@ class HealthMonitor:
             return
         reason = f"connect: {what[:200]}"
         try:
-            await self.flags.set(provider.name, model, reason, connect.ttl_seconds, CONNECT)
-        except RedisError as exc:
+            await in_own_task(self.flags.set(provider.name, model, reason, connect.ttl_seconds, CONNECT))
+        except REDIS_FAILURES as exc:
             log.warning("connect failure of %s %s not recorded: %s", provider.name, model, exc)
             return
         metrics.DEGRADATIONS.labels(provider.name, CONNECT).inc()
@@ -212,7 +211,7 @@ class HealthMonitor:
     async def _clear_connect(self, pairs: list[tuple[str, str]]) -> None:
         try:
             await self.flags.clear_many(pairs, CONNECT)
-        except RedisError as exc:
+        except REDIS_FAILURES as exc:
             log.warning("connect flag of %s not cleared: %s", pairs, exc)
 
     async def record_failure(self, provider: str, model: str, what: str) -> bool:
@@ -225,7 +224,7 @@ class HealthMonitor:
                 round(passive.cooldown_seconds * 1000), reason]
         try:
             degraded, _ = await self._record(self.redis, keys, args)
-        except RedisError as exc:
+        except REDIS_FAILURES as exc:
             log.warning("upstream failure of %s %s not recorded: %s", provider, model, exc)
             return False
         if degraded:
@@ -233,7 +232,7 @@ class HealthMonitor:
             log.warning("%s %s degraded for %g s: %s", provider, model, passive.cooldown_seconds, reason)
             try:
                 await self.flags.refresh()  # this instance avoids it at once, not at the next tick
-            except RedisError:
+            except REDIS_FAILURES:
                 pass
         return bool(degraded)
 
@@ -294,7 +293,7 @@ class _HealthCheckTask:
                 log.warning("%s healthy again: %s", name, detail)
             if ok and (connected := [pair for pair in self.pairs if CONNECT in self.monitor.flags.flags(*pair)]):
                 await self.monitor.flags.clear_many(connected, CONNECT)
-        except RedisError as exc:
+        except REDIS_FAILURES as exc:
             log.warning("health state of %s not written: %s", name, exc)
 
 
@@ -339,14 +338,14 @@ class _LoadGaugeTask:
         for model in self.upstream_names:
             try:
                 await self._apply(model, {signal.metric: values[signal.metric][model] for signal in self.signals})
-            except RedisError as exc:
+            except REDIS_FAILURES as exc:
                 log.warning("load state of %s not written: %s", name, exc)
 
     async def _write_all(self, reason: str) -> None:
         for model in self.upstream_names:
             try:
                 await self._set(model, reason)
-            except RedisError as exc:
+            except REDIS_FAILURES as exc:
                 log.warning("load state of %s not written: %s", self.provider.name, exc)
 
     async def _apply(self, model: str, values: dict[str, float]) -> None:

@@ -22,6 +22,7 @@ import hashlib
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
@@ -69,12 +70,20 @@ class ReloadError(Exception):
 
 class ConfigReloader:
     """Reloads `path` into `receiver` on `request()` (SIGHUP) and on a change of the file.
-    `envoy_path`: the Envoy file a new config must agree with (envoy_check), re-read each time."""
+    `envoy_path`: the Envoy file a new config must agree with (envoy_check), re-read each time.
+    `adjust`: what this process changes in the file's config before running it (`serve --workers`:
+    worker i's metrics port, extproc.operations.workers.worker_config); a new config is adjusted
+    the same way before it is compared with the running one and checked, so only a real change of
+    a restart-only field is reported."""
 
-    def __init__(self, receiver: ConfigReceiver, path: str | os.PathLike[str], envoy_path: str | os.PathLike[str] | None = None):
+    def __init__(
+        self, receiver: ConfigReceiver, path: str | os.PathLike[str], envoy_path: str | os.PathLike[str] | None = None,
+        adjust: Callable[[Config], Config] | None = None,
+    ):
         self.receiver = receiver
         self.path = Path(path)
         self.envoy_path = envoy_path
+        self.adjust = adjust
         self.reloads = 0  # successful reloads so far
         self._wake = asyncio.Event()
         self._seen = self._signature()
@@ -140,6 +149,8 @@ class ConfigReloader:
             raise ReloadError(f"{self.path}: not valid YAML: {' '.join(str(exc).split())}") from None
         except ConfigError as exc:
             raise ReloadError(f"invalid configuration {self.path}: {'; '.join(exc.problems)}") from None
+        if self.adjust is not None:
+            new = self.adjust(new)
         new, kept = keep_restart_only(self.receiver.config, new)
         if self.envoy_path is not None:
             try:

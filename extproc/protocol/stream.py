@@ -27,7 +27,6 @@ from typing import Protocol
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingRequest, ProcessingResponse
-from redis.exceptions import RedisError
 
 from extproc import metrics
 from extproc.config import Config, Provider
@@ -40,6 +39,7 @@ from extproc.protocol.live import LiveConfig
 from extproc.routing.lease_table import Held, LeaseTable, Refusal
 from extproc.routing.outage import RedisBreaker
 from extproc.routing.router import Decision, Rejection, RejectionKind, RoutingRequest
+from extproc.storage.client import REDIS_FAILURES, in_own_task
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +70,7 @@ class StreamState:
     decision: Decision | None = None
     status: int | None = None
     reader: ResponseIdReader | None = None
+    response_id: str | None = None  # the Responses answer's id, once recorded as a chain
     ended: bool = False
 
     @property
@@ -90,6 +91,7 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
         self.observer = observer
         self.leases = leases
         self.breaker = breaker
+        self._chain_refreshes: set[asyncio.Task] = set()
         self._routing_header = live.config.server.routing_header  # restart-only: Envoy must agree
         self._client_may_not_send = [self._routing_header, live.config.server.affinity_header]
 
@@ -224,9 +226,9 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
         breaker = self.breaker
         if previous is not None and not breaker.is_open:
             try:
-                link = await self.chains.lookup(parsed.model, stream.identity, previous)
+                link = await in_own_task(self.chains.lookup(parsed.model, stream.identity, previous))
                 breaker.record_success()
-            except RedisError as exc:
+            except REDIS_FAILURES as exc:
                 breaker.record_failure(exc)
         key = self.sessions.session(stream.signals, parsed, stream.identity, link.session_id if link else None)
         stream.session_id = key.session_id
@@ -300,15 +302,50 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
         """Before the client can see the id: so a next turn through any instance finds it."""
         provider = stream.decision.provider.name if stream.stores_response else None
         try:
-            await self.chains.record(stream.model, stream.identity, response_id, ChainLink(stream.session_id, provider))
+            await in_own_task(self.chains.record(stream.model, stream.identity, response_id, ChainLink(stream.session_id, provider)))
+            stream.response_id = response_id
+            self._keep_chain(stream)
             metrics.CHAINS_RECORDED.inc()
-        except RedisError as exc:
+        except REDIS_FAILURES as exc:
             self.breaker.record_failure(exc)
             log.warning("response chain not recorded (redis): %s", exc)
 
     def _end_stream(self, stream: StreamState) -> None:
         """Hand the stream's end to the lease table (idempotent), whichever way it ended."""
+        if stream.ended:
+            return
         stream.ended = True
         if stream.held is not None:
             succeeded = stream.status is not None and 200 <= stream.status < 300
             self.leases.end(stream.held, succeeded)
+            if succeeded and stream.response_id is not None:
+                self._refresh_chain(stream)
+
+    def _keep_chain(self, stream: StreamState) -> None:
+        """While the answer streams, the chain's TTL starts again every third of the lease
+        timeout, as the lease is renewed: a stream longer than the TTL keeps its chain."""
+        period = self.config.lease_timeout_seconds / 3
+
+        async def keep() -> None:
+            while True:
+                await asyncio.sleep(period)
+                if stream.ended:
+                    return
+                await self._refresh_chain_once(stream)
+
+        self._spawn_chain_task(keep())
+
+    def _refresh_chain(self, stream: StreamState) -> None:
+        """In the background (the stream is over): the chain's TTL starts again at the answer's end."""
+        self._spawn_chain_task(self._refresh_chain_once(stream))
+
+    async def _refresh_chain_once(self, stream: StreamState) -> None:
+        try:
+            await self.chains.refresh(stream.model, stream.identity, stream.response_id)
+        except REDIS_FAILURES as exc:
+            log.warning("response chain TTL not refreshed (redis): %s", exc)
+
+    def _spawn_chain_task(self, coroutine) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._chain_refreshes.add(task)
+        task.add_done_callback(self._chain_refreshes.discard)

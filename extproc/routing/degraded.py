@@ -26,9 +26,9 @@ import logging
 from dataclasses import dataclass
 
 from redis.asyncio import Redis
-from redis.exceptions import RedisError
 
 from extproc.config import Config, ProviderKind
+from extproc.storage.client import REDIS_FAILURES
 from extproc.storage.keys import Keyspace
 from extproc.supervision import run_every
 
@@ -157,7 +157,7 @@ class DegradedFlags:
     async def _refresh_once(self) -> None:
         try:
             await self.refresh()
-        except RedisError as exc:
+        except REDIS_FAILURES as exc:
             log.warning("degraded flags not refreshed: %s", exc)
 
     def _key(self, provider: str, model: str, source: str) -> str:

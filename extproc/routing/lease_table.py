@@ -17,8 +17,9 @@ What a running request is promised (docs/routing-state.md "When Redis is gone"):
   persistence, flush, failover: the epoch key `{prefix}:epoch`, written when the state is first
   used, changed or vanished since the lease was admitted) adopts it too; and when this process
   sees the epoch change, it adopts every lease it holds at once;
-- only a lease Redis saw expire while its renewals reached Redis (same epoch, no failed renewal
-  since the last success) is lost: its request is cancelled.
+- only a lease Redis saw expire while its renewals reached Redis in time (same epoch, no failed
+  renewal since the last success, answered within a lease timeout of it) is lost: its request is
+  cancelled.
 
 Every decision reads the epoch alongside its admission (one read in flight per process, shared
 by the decisions waiting on it, sent with the admission rather than before it: one round trip of
@@ -48,14 +49,12 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from redis.exceptions import RedisError
-
 from extproc import metrics
 from extproc.config import Config
 from extproc.routing.outage import OutagePolicy, RedisBreaker
 from extproc.routing.router import Decision, Ids, Reason, Rejection, Router, RoutingRequest
 from extproc.routing.state import Lease, Result, RoutingState, new_id
-from extproc.storage.client import is_pool_exhausted
+from extproc.storage.client import REDIS_FAILURES, in_own_task, is_pool_exhausted
 from extproc.storage.keys import Keyspace
 from extproc.supervision import run_every
 
@@ -106,12 +105,15 @@ class _Abandoned:
     session_id: str | None
     ids: Ids
     state: RoutingState
+    give_up_at: float  # monotonic s: by then a lease it could have admitted has expired by itself
+    admission: asyncio.Future | None = None  # the admission still on its way, if any: abandoned once it lands
 
 
 class LeaseTable:
     """See the module docstring. One per process; `start()` inside the event loop."""
 
     retry_seconds = 0.5
+    abandon_workers = 4  # abandonments served at once: one dead shard does not hold up the others
 
     def __init__(self, config: Config, state: RoutingState, router: Router, outage: OutagePolicy, breaker: RedisBreaker):
         self.config = config
@@ -123,14 +125,14 @@ class LeaseTable:
         self._epoch_key = Keyspace(config.redis.key_prefix).epoch()
         self._epoch_read: asyncio.Task | None = None  # the epoch read decisions wait on
         self._grace_until = 0.0  # monotonic s: managed pairs take no new admission before
-        self._adopting_epoch = 0  # adoptions after an epoch change under way
         self._held: set[Held] = set()
         self._on_pair: Counter[tuple[str, str]] = Counter()
         self._abandoned: asyncio.Queue[_Abandoned] | None = None
         self._abandoning = 0
-        self._worker: asyncio.Task | None = None
+        self._workers: list[asyncio.Task] = []
+        self._adoption_wanted: asyncio.Event | None = None  # set when the epoch changed: the adoption worker runs
+        self._adoption_pending = False  # leases admitted under an earlier epoch are not all adopted yet
         self._releases: set[asyncio.Task] = set()
-        self._timeout = config.lease_timeout_seconds
         metrics.LOCAL_LEASES.set_function(lambda: self.local_leases)
 
     def reconfigure(self, config: Config, state: RoutingState, router: Router) -> None:
@@ -138,13 +140,15 @@ class LeaseTable:
         renewing, adopting and releasing through the RoutingState it was admitted with, so its
         pair's accounting holds even when the reload removed its provider or model."""
         self.config, self.state, self.router = config, state, router
-        self._timeout = config.lease_timeout_seconds  # renewals of leases admitted from now on
 
     def start(self) -> None:
-        """Start the abandonment worker (needs a running event loop)."""
+        """Start the abandonment and adoption workers (needs a running event loop)."""
         self._abandoned = asyncio.Queue()
-        # Supervised (extproc.supervision): an unexpected exception restarts the worker.
-        self._worker = asyncio.get_running_loop().create_task(run_every("lease_abandon", self._abandon_one, 0))
+        self._adoption_wanted = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        # Supervised (extproc.supervision): an unexpected exception restarts a worker.
+        self._workers = [loop.create_task(run_every("lease_abandon", self._abandon_one, 0)) for _ in range(self.abandon_workers)]
+        self._workers.append(loop.create_task(run_every("lease_adoption", self._adopt_into_new_epoch, 0)))
 
     # ---- questions ----------------------------------------------------------------------
 
@@ -161,7 +165,7 @@ class LeaseTable:
     def rebuilding(self) -> bool:
         """Whether Redis lost its state recently enough that managed pairs take no new admission
         (the epoch grace, or this process's adoption after an epoch change under way)."""
-        return self._adopting_epoch > 0 or time.monotonic() < self._grace_until
+        return self._adoption_pending or time.monotonic() < self._grace_until
 
     @property
     def pending_abandonments(self) -> int:
@@ -183,25 +187,30 @@ class LeaseTable:
         if self.rebuilding:
             return self._decide_locally(request, state, shares=False)
         ids, admitting = Ids.fresh(), True
+        admission = None
         try:
             async with asyncio.timeout(self.config.server.decision_timeout_seconds):
                 epoch_read = self._epoch_read_shared()
-                outcome = await router.execute_request(request, ids)
+                # A task of its own (storage.client.in_own_task): the timeout or a cancellation
+                # reaches this decision at once on every Python, and the admission lands or fails
+                # before its abandonment is sent.
+                admission = asyncio.ensure_future(router.execute_request(request, ids))
+                outcome = await in_own_task(admission)
                 admitting = False
                 await self._epoch_read_after(epoch_read)
             if self.rebuilding:  # Redis lost its state: what was admitted may count on nothing
                 self._abandon(request, ids, state)
                 return self._decide_locally(request, state, shares=False)
-        except (RedisError, TimeoutError) as exc:
+        except (*REDIS_FAILURES, TimeoutError) as exc:
             if not (admitting and is_pool_exhausted(exc)):  # that one never reached Redis
-                self._abandon(request, ids, state)
+                self._abandon(request, ids, state, admission)
             if is_pool_exhausted(exc):
                 return Refusal.OVERLOADED
             metrics.REDIS_ERRORS.labels("decision").inc()
             self.breaker.record_failure(exc)
             return self._decide_locally(request, state)
         except BaseException:
-            self._abandon(request, ids, state)
+            self._abandon(request, ids, state, admission)
             raise
         self.breaker.record_success()
         if isinstance(outcome, Rejection):
@@ -229,8 +238,13 @@ class LeaseTable:
         if decision.lease is not None:
             self._on_pair[(decision.lease.provider, decision.lease.model)] += 1
             # Most requests end before the first renewal is due: the task is only created then.
-            held.renewal = asyncio.get_running_loop().call_later(self._timeout / 3, self._start_renewing, held)
+            held.renewal = asyncio.get_running_loop().call_later(self._lease_timeout(held) / 3, self._start_renewing, held)
         return held
+
+    def _lease_timeout(self, held: Held) -> float:
+        """The lease timeout (seconds) of the config `held` was admitted under: its renewals
+        extend it by that much, so they come every third of it, whatever a reload did since."""
+        return (held.state or self.state).config.lease_timeout_seconds
 
     # ---- ending -------------------------------------------------------------------------
 
@@ -266,12 +280,12 @@ class LeaseTable:
 
     async def _release(self, held: Held, refresh: bool) -> None:
         """Release in Redis, retrying while the lease may still count there."""
-        give_up_at = max(held.confirmed_at, time.monotonic()) + self._timeout
+        give_up_at = max(held.confirmed_at, time.monotonic()) + self._lease_timeout(held)
         while True:
             try:
                 await (held.state or self.state).release_request_lease(held.lease, refresh_pin=refresh)
                 return
-            except RedisError as exc:
+            except REDIS_FAILURES as exc:
                 metrics.REDIS_ERRORS.labels("release").inc()
                 if time.monotonic() + self.retry_seconds >= give_up_at:
                     log.warning("lease %s not released, it expires by itself: %s", held.lease.id, exc)
@@ -281,24 +295,34 @@ class LeaseTable:
 
     # ---- abandoning ---------------------------------------------------------------------
 
-    def _abandon(self, request: RoutingRequest, ids: Ids, state: RoutingState) -> None:
+    def _abandon(self, request: RoutingRequest, ids: Ids, state: RoutingState, admission: asyncio.Future | None = None) -> None:
+        """Queue the abandonment of `ids`; `admission`: the admission task, which may still be on
+        its way (a timeout or a cancellation does not stop it: it runs in a task of its own)."""
         metrics.DECISIONS_ABANDONED.inc()
+        if admission is not None:
+            admission.add_done_callback(lambda done: done.cancelled() or done.exception())
         if self._abandoned is not None:
             self._abandoning += 1
-            self._abandoned.put_nowait(_Abandoned(request.model, request.session_id, ids, state))
+            give_up_at = time.monotonic() + state.config.lease_timeout_seconds
+            self._abandoned.put_nowait(_Abandoned(request.model, request.session_id, ids, state, give_up_at, admission))
 
     async def _abandon_one(self) -> None:
-        """The next abandonment, retried until Redis takes it (they are idempotent). One that
-        raises anything else is dropped (its records expire by themselves) and the worker goes
-        on with the next (extproc.supervision counts and logs it)."""
+        """The next abandonment, once its admission (if still on its way) has landed or failed,
+        retried until Redis takes it (they are idempotent) or until a lease it could have admitted
+        has expired by itself: past that, abandoning could end a pin the session has made since.
+        One that raises anything else is dropped (its records expire by themselves) and the
+        worker goes on with the next (extproc.supervision counts and logs it)."""
         item = await self._abandoned.get()
         try:
-            while True:
+            if item.admission is not None and not item.admission.done():
+                await asyncio.wait([item.admission], timeout=max(0.0, item.give_up_at - time.monotonic()))
+            while time.monotonic() < item.give_up_at:
                 try:
                     await item.state.abandon_request(item.model, item.session_id, item.ids.lease_id, item.ids.pin_id)
                     return
-                except RedisError:
+                except REDIS_FAILURES:
                     await asyncio.sleep(self.retry_seconds)
+            log.warning("abandonment of lease %s given up: whatever it admitted has expired by itself", item.ids.lease_id)
         finally:
             self._abandoning -= 1
 
@@ -309,23 +333,33 @@ class LeaseTable:
             held.renewal = asyncio.get_running_loop().create_task(self._renew_forever(held))
 
     async def _renew_forever(self, held: Held) -> None:
-        interval = self._timeout / 3
+        """Renew every third of the lease's timeout until the request ends or the lease is lost.
+        Nothing but the lease's loss ends it: an unexpected error counts as a renewal that did not
+        reach Redis (the lease is adopted when one does)."""
+        interval = self._lease_timeout(held) / 3
         while not held.ended:
             if not held.local:
                 if self.breaker.is_open:
                     held.unconfirmed = True
-                elif not await self._renew_once(held):
-                    held.mark_lost()
-                    return
+                else:
+                    try:
+                        renewed = await self._renew_once(held)
+                    except Exception:  # noqa: BLE001 (no renewal loop may die: the lease would expire under a running request)
+                        log.exception("lease renewal failed unexpectedly, the request keeps running")
+                        held.unconfirmed, renewed = True, True
+                    if not renewed:
+                        held.mark_lost()
+                        return
             await asyncio.sleep(interval)
 
     async def _renew_once(self, held: Held) -> bool:
         """One renewal. False only when the lease is lost: Redis saw it expire (see the module
-        docstring); a lease Redis lost, or one whose renewals did not reach it, is adopted."""
+        docstring); a lease Redis lost, or one whose renewals did not reach it in time (failed,
+        or answered more than a lease timeout after the last answered one), is adopted."""
         renewed_at = time.monotonic()
         try:
             update = await (held.state or self.state).renew_request_lease(held.lease)
-        except RedisError as exc:
+        except REDIS_FAILURES as exc:
             metrics.REDIS_ERRORS.labels("renew").inc()
             metrics.LEASE_RENEWALS.labels("failed").inc()
             held.unconfirmed = True
@@ -336,11 +370,14 @@ class LeaseTable:
             metrics.LEASE_RENEWALS.labels("renewed").inc()
             held.unconfirmed, held.confirmed_at = False, renewed_at
             return True
-        if held.unconfirmed or await self._redis_lost_state(held):
+        # A renewal that reached Redis a whole lease timeout after the last one Redis answered (a
+        # Redis or a network stalled in between) did not reach it in time: like a failed one.
+        late = time.monotonic() - held.confirmed_at > self._lease_timeout(held)
+        if held.unconfirmed or late or await self._redis_lost_state(held):
             metrics.LEASE_RENEWALS.labels("adopted").inc()
             try:
                 await self._adopt(held)
-            except RedisError:
+            except REDIS_FAILURES:
                 held.unconfirmed = True
             return True
         metrics.LEASE_RENEWALS.labels("lost").inc()
@@ -352,7 +389,7 @@ class LeaseTable:
         admitted_under = held.epoch
         try:
             epoch = await self.refresh_epoch()
-        except RedisError:
+        except REDIS_FAILURES:
             return True
         return admitted_under is None or admitted_under != epoch
 
@@ -373,7 +410,7 @@ class LeaseTable:
         found a free connection. Raises RedisError."""
         try:
             await asyncio.shield(read)
-        except RedisError:
+        except REDIS_FAILURES:
             await asyncio.shield(self._epoch_read_shared())
 
     async def refresh_epoch(self, adopt_on_change: bool = True) -> str:
@@ -392,11 +429,9 @@ class LeaseTable:
                         age, max(0.0, grace - age))
         if adopt_on_change and previous is not None:
             log.warning("adopting %d held leases into the new epoch", len(self._held))
-            self._adopting_epoch += 1
-            try:
-                await self.adopt_held(include_shared=True)
-            finally:
-                self._adopting_epoch -= 1
+            self._adoption_pending = True
+            if self._adoption_wanted is not None:
+                self._adoption_wanted.set()
         return epoch
 
     async def _read_epoch(self) -> tuple[str, float]:
@@ -418,6 +453,31 @@ class LeaseTable:
         created, _, rest = epoch.rpartition("@")
         age = max(0.0, (now_ms - int(rest)) / 1000) if created and rest.isdigit() else 0.0
         return epoch, age
+
+    async def _adopt_into_new_epoch(self) -> None:
+        """The adoption worker: after an epoch change, adopt every shared lease admitted under an
+        earlier epoch, retrying through Redis errors, until none is left; managed pairs take no
+        new admission meanwhile (`rebuilding`). A request that ends, or an error, never leaves
+        the rest unadopted: the table owns the adoption, no request's task does."""
+        await self._adoption_wanted.wait()
+        self._adoption_wanted.clear()
+        while self._adoption_pending:
+            pending = [h for h in self._held if h.lease is not None and not h.ended and not h.local and h.epoch != self.epoch]
+            if not pending:
+                self._adoption_pending = False
+                log.warning("every held lease is adopted into the new epoch")
+                return
+            for held in pending:
+                if self.breaker.is_open:
+                    break
+                try:
+                    await self._adopt(held)
+                except REDIS_FAILURES as exc:
+                    log.warning("adoption into the new epoch interrupted, retrying: %s", exc)
+                    break
+            else:
+                continue
+            await asyncio.sleep(self.retry_seconds)
 
     async def adopt_held(self, include_shared: bool) -> int:
         """Adopt every local lease held (and, with `include_shared`, every Redis lease too:
@@ -459,7 +519,7 @@ class LeaseTable:
             self.breaker.close()
             while self.local_leases:
                 await self.adopt_held(include_shared=False)
-        except RedisError as exc:
+        except REDIS_FAILURES as exc:
             self.breaker.trip(exc)
             raise
         return before
@@ -476,8 +536,8 @@ class LeaseTable:
             await asyncio.sleep(0.05)
         for task in list(self._releases):
             task.cancel()
-        if self._worker is not None:
-            self._worker.cancel()
+        for worker in self._workers:
+            worker.cancel()
 
 
 def _text(raw: bytes | str) -> str:

@@ -25,11 +25,10 @@ import uuid
 from collections.abc import Callable
 
 from redis.asyncio import Redis
-from redis.exceptions import RedisError
 
 from extproc.config import Config, Provider
 from extproc.routing.router import Rejection, RejectionKind, Router, RoutingRequest
-from extproc.storage.client import is_pool_exhausted
+from extproc.storage.client import REDIS_FAILURES, is_pool_exhausted
 from extproc.storage.keys import Keyspace
 
 log = logging.getLogger(__name__)
@@ -147,7 +146,7 @@ class RedisBreaker:
         """Ping Redis. Returns whether it answered."""
         try:
             await self.redis.ping()
-        except RedisError:
+        except REDIS_FAILURES:
             return False
         return True
 

@@ -18,18 +18,46 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
+from typing import TypeVar
 
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel
 from redis.backoff import NoBackoff
-from redis.exceptions import ConnectionError, NoScriptError
+from redis.exceptions import ConnectionError, NoScriptError, RedisClusterException, RedisError
 
 from extproc.config import ConfigError, RedisSettings
 
 RedisClient = Redis | RedisCluster
+
+
+T = TypeVar("T")
+
+REDIS_FAILURES: tuple[type[Exception], ...] = (RedisError, RedisClusterException)
+"""What the Redis client raises for a Redis it cannot use, to catch as one: redis-py's cluster
+client raises RedisClusterException (and its SlotNotCoveredError, "no node covers this slot")
+outside RedisError when no node is reachable."""
+
+
+async def in_own_task(call: Awaitable[T]) -> T:
+    """Await a Redis call in a task of its own, so that a cancellation of the caller (a decision's
+    timeout, a lost lease ending its stream, a drain) is raised in the caller at once and never
+    lost: on Python 3.11 redis-py's send path (`asyncio.wait_for`) can swallow a cancellation that
+    lands while a command is sent (CPython gh-86296, fixed in 3.12). The call itself runs on to
+    its end; its result or error is then dropped. Raises what the call raises."""
+    task = asyncio.ensure_future(call)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        task.add_done_callback(_retrieve)
+        raise
+
+
+def _retrieve(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 def open_redis(settings: RedisSettings, timeout_seconds: float | None = None) -> RedisClient:

@@ -1,6 +1,7 @@
 """Per-provider request adaptation and feature support, end to end: the third party is a DNS
 cluster with TLS (the shape of envoy/third-party-cluster.example.yaml) in front of a simulator
-serving HTTPS with a self-signed certificate; it demands its own key and model names."""
+serving HTTPS with a self-signed certificate; it demands its own key and model names. Nothing of
+the client's identity reaches a third party (issue 20, item 10) unless its provider opts in."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 import yaml
 
 from extproc.config import DEFAULT_PRIVATE_HEADERS, parse_config
+from extproc.config.schema import DEFAULT_AGENT_SESSION_HEADERS
 from extproc.openai_api.adaptation import CredentialError, RequestAdapter
 from extproc.protocol.messages import route_to_cluster
 from irislab import envoy_config
@@ -26,6 +28,9 @@ TENSORX_KEY = "tx-key-Zq81vL0p"
 IRIS2_KEY = "iris2-key-Pm52Kd7w"
 CLIENT_SECRETS = ("client-secret-abc", "client-secret-def", "client-secret-ghi")
 LLAMA = "llama-3.1-70b"
+# The test's stand-in for an authenticating filter (jwt_authn with claim_to_headers) reads the
+# authenticated user from this header and sets the trusted identity header x-user-id from it.
+AUTHENTICATED = "x-test-authenticated-user"
 IMAGE_PART = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
 
 
@@ -46,7 +51,8 @@ def test_model_is_renamed_and_the_key_set_for_the_chosen_provider_only(tmp_path)
     third = adapter.adapt(config.provider("tensorx"), "m", body)
     assert orjson.loads(third.body) == {**body, "model": "vendor/m-large"}
     assert third.set_headers == {"authorization": "Bearer sk-123"}
-    assert third.remove == ["api-key", "x-api-key", *DEFAULT_PRIVATE_HEADERS]  # a third party: identity headers too
+    session_headers = ["x-session-id", *DEFAULT_AGENT_SESSION_HEADERS]
+    assert third.remove == ["api-key", "x-api-key", *DEFAULT_PRIVATE_HEADERS, *session_headers]  # a third party: identity headers too
     own = adapter.adapt(config.provider("iris-1"), "m", body)
     assert (own.body, own.set_headers, own.remove) == (None, {}, ["authorization", "api-key", "x-api-key"])
     assert "sk-123" not in repr(third)
@@ -68,7 +74,7 @@ def test_key_from_a_file_in_a_configured_header(tmp_path):
     config = adapter_config(tmp_path, api_key_file=str(key_file), header="api-key")
     change = RequestAdapter(config, environ={}).adapt(config.provider("tensorx"), "m", {"model": "m"})
     assert change.set_headers == {"api-key": "file-key"}
-    assert change.remove == ["authorization", "x-api-key", *DEFAULT_PRIVATE_HEADERS]
+    assert change.remove == ["authorization", "x-api-key", *DEFAULT_PRIVATE_HEADERS, "x-session-id", *DEFAULT_AGENT_SESSION_HEADERS]
 
 
 @pytest.mark.parametrize(
@@ -113,7 +119,9 @@ def test_example_third_party_cluster_is_valid_for_the_shipped_envoy(tmp_path):
 def adaptation_config(key_file) -> dict:
     return {
         "redis": {"key_prefix": "adapt"},
-        "session": {"trusted_identity_headers": ["x-user-id"]},  # the test stands in for an authenticating filter
+        # x-user-id is the trusted identity header: Envoy strips the client's own copy and the
+        # stand-in authenticating filter sets it (with_stand_in_authentication).
+        "session": {"trusted_identity_headers": ["x-user-id"]},
         "server": {"expose_routing_headers": True},
         "providers": [
             {"name": "iris-1", "kind": "managed", "cluster": "iris-1",
@@ -127,9 +135,39 @@ def adaptation_config(key_file) -> dict:
              "models": {"llava": {"features": ["chat", "vision"], "upstream_model": "iris2-llava"}}},
             {"name": "tensorx", "kind": "unlimited", "cluster": "tensorx",
              "credentials": {"api_key_env": "TEST_TENSORX_KEY"},
-             "models": {LLAMA: {"features": ["chat", "completions", "tools", "vision"], "upstream_model": "tx-llama-70b"}}},
+             "models": {LLAMA: {"features": ["chat", "completions", "tools", "vision"], "upstream_model": "tx-llama-70b"},
+                        "tx-only": {"features": ["chat"]}}},
+            # A third party under contract that needs the client's identity: it opts in.
+            {"name": "partner", "kind": "unlimited", "cluster": "partner", "forward_client_identity": True,
+             "models": {"partner-only": {"features": ["chat"]}}},
         ],
     }
+
+
+def with_stand_in_authentication(bootstrap: dict) -> dict:
+    """The bootstrap with a stand-in for an authenticating filter: the early header mutation
+    strips the client's own x-user-id (the trusted identity header) and a header_mutation filter
+    before ext_proc sets it from AUTHENTICATED (then removed), as jwt_authn's claim_to_headers
+    would from a verified token. Also a `partner` cluster for the opted-in third party (iris-2's, plain HTTP)."""
+    manager = bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    manager["early_header_mutation_extensions"][0]["typed_config"]["mutations"].append({"remove": "x-user-id"})
+    manager["http_filters"].insert(0, {
+        "name": "envoy.filters.http.header_mutation",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.HeaderMutation",
+            "mutations": {"request_mutations": [
+                {"append": {"header": {"key": "x-user-id", "value": f"%REQ({AUTHENTICATED})%"},
+                            "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}},
+                {"remove": AUTHENTICATED},
+            ]},
+        },
+    })
+    clusters = bootstrap["static_resources"]["clusters"]
+    partner = yaml.safe_load(yaml.safe_dump(next(c for c in clusters if c["name"] == "iris-2")))
+    partner.pop("lb_policy", None)
+    partner["name"] = partner["load_assignment"]["cluster_name"] = "partner"
+    clusters.append(partner)
+    return bootstrap
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +184,8 @@ def gateway(tmp_path_factory):
         validation["trusted_ca"] = {"filename": str(cert)}
         validation["match_typed_subject_alt_names"][0]["matcher"]["exact"] = "localhost"
 
-    envoy_source = envoy_config.write(spliced_bootstrap(for_the_loopback_simulator), work / "envoy-source.yaml")
+    bootstrap = with_stand_in_authentication(spliced_bootstrap(for_the_loopback_simulator))
+    envoy_source = envoy_config.write(bootstrap, work / "envoy-source.yaml")
     fast = ProviderSimulation(ttft_ms=5, per_token_ms=20, block_tokens=8)
     sims = {"iris-1": fast, "iris-2": fast, "tensorx": ProviderSimulation(ttft_ms=5, per_token_ms=1, tls_cert=cert, tls_key=key)}
     gw = LocalGateway(
@@ -174,7 +213,7 @@ def gw(gateway):
 
 
 def client_headers(user: str) -> dict:
-    return {"x-user-id": user, "authorization": f"Bearer {CLIENT_SECRETS[0]}",
+    return {AUTHENTICATED: user, "authorization": f"Bearer {CLIENT_SECRETS[0]}",
             "api-key": CLIENT_SECRETS[1], "x-api-key": CLIENT_SECRETS[2]}
 
 
@@ -194,7 +233,7 @@ def test_offloaded_request_reaches_the_third_party_with_its_key_and_model(gw):
             lines = running.iter_lines()  # kept: a dropped iterator closes the response
             next(lines)
             api = openai.OpenAI(base_url=f"{gw.url}/v1", api_key=CLIENT_SECRETS[0], max_retries=0,
-                                default_headers={"x-user-id": "carol", "api-key": CLIENT_SECRETS[1]})
+                                default_headers={AUTHENTICATED: "carol", "api-key": CLIENT_SECRETS[1]})
             raw = api.chat.completions.with_raw_response.create(
                 model=LLAMA, messages=[{"role": "user", "content": "long story"}], max_tokens=3
             )
@@ -259,3 +298,71 @@ def test_keys_never_appear_in_logs_or_written_configs(gw):
             text = path.read_text(errors="replace")
             for secret in (TENSORX_KEY, IRIS2_KEY):
                 assert secret not in text, path.name
+
+
+# -- nothing of the client's identity reaches a third party (issue 20, item 10) ---------------
+
+# What says who the client is or where it connects from, as a client (or a proxy in front of
+# Envoy) sends it. Envoy adds x-envoy-external-address itself (use_remote_address).
+ADDRESS_HEADERS = {"x-forwarded-for": "203.0.113.7", "forwarded": "for=203.0.113.7", "x-real-ip": "203.0.113.7",
+                   "true-client-ip": "203.0.113.7", "x-client-ip": "203.0.113.7", "cf-connecting-ip": "203.0.113.7"}
+SESSION_HEADERS = {"x-session-id": "conversation-1", "x-claude-code-session-id": "cc-1", "session_id": "codex-1",
+                   "conversation_id": "codex-conv-1", "x-litellm-session-id": "litellm-1"}
+IDENTIFIED_BODY = {"user": "end-user-42", "safety_identifier": "safety-42"}  # the body fields that name the client
+
+
+def identified_request(gw, model: str, user: str) -> httpx.Response:
+    """A chat request for `model` carrying every kind of client identity: the authenticated user
+    (the trusted header), a cookie, address headers, session and agent session headers, and the
+    body's user and safety_identifier."""
+    headers = {**client_headers(user), **ADDRESS_HEADERS, **SESSION_HEADERS, "cookie": "sid=secret-cookie"}
+    return post(gw, "/v1/chat/completions", json=chat(model, f"identified {user}", **IDENTIFIED_BODY), headers=headers)
+
+
+def rejected_header_mutations(gw) -> int:
+    text = httpx.get(f"http://127.0.0.1:{gw.running[0].admin_port}/stats?filter=rejected_header_mutations", timeout=5).text
+    return sum(int(line.rpartition(": ")[2]) for line in text.splitlines() if line.strip())
+
+
+def identity_received(stats_of_provider: dict) -> tuple[set[str], set[str]]:
+    """(identity header names, identity body fields) of the provider's last request."""
+    headers = stats_of_provider["last_request_headers"][-1]
+    private = {*DEFAULT_PRIVATE_HEADERS, "x-user-id", AUTHENTICATED, *SESSION_HEADERS, *DEFAULT_AGENT_SESSION_HEADERS}
+    return {name for name in headers if name in private}, set(stats_of_provider["last_request_fields"][-1]) & set(IDENTIFIED_BODY)
+
+
+def test_a_third_party_receives_nothing_of_the_clients_identity(gw):
+    before = rejected_header_mutations(gw)
+    response = identified_request(gw, "tx-only", "dora")
+    assert (response.status_code, response.headers["x-iris-provider"]) == (200, "tensorx")
+    received = stats(gw, "tensorx")
+    headers, fields = identity_received(received)
+    assert (headers, fields) == (set(), set()), received["last_request_headers"][-1]
+    assert "x-envoy-external-address" not in received["last_request_headers"][-1]
+    assert not any(value in str(received["last_request_headers"][-1]) for value in ("dora", "203.0.113.7", "secret-cookie", "conversation-1"))
+    assert set(received["last_request_fields"][-1]) == {"model", "messages", "max_tokens"}
+    assert rejected_header_mutations(gw) - before == 0  # Envoy applied every removal the server asked for
+
+
+def test_an_own_provider_and_an_opted_in_third_party_receive_it(gw):
+    before = rejected_header_mutations(gw)
+    for model, provider in (("small", "iris-1"), ("partner-only", "partner")):
+        response = identified_request(gw, model, "erin")
+        assert (response.status_code, response.headers["x-iris-provider"]) == (200, provider)
+        received = stats(gw, provider)
+        headers = received["last_request_headers"][-1]
+        assert headers["x-user-id"] == "erin" and headers["cookie"] == "sid=secret-cookie"
+        assert headers["x-envoy-external-address"] and "x-forwarded-for" in headers
+        assert {name: headers.get(name) for name in SESSION_HEADERS} == SESSION_HEADERS
+        assert set(received["last_request_fields"][-1]) >= set(IDENTIFIED_BODY), provider
+        assert AUTHENTICATED not in headers
+        assert_no_client_credential(headers)  # credentials never leave, whoever the provider
+    assert rejected_header_mutations(gw) - before == 0
+
+
+def test_the_clients_own_copy_of_the_trusted_identity_header_never_counts(gw):
+    """Envoy strips a client's x-user-id before any filter runs: a forged identity is no identity."""
+    forged = {"x-user-id": "mallory", "authorization": f"Bearer {CLIENT_SECRETS[0]}"}
+    response = post(gw, "/v1/chat/completions", json=chat("small", "forged"), headers=forged)
+    assert response.status_code == 200
+    assert "x-user-id" not in stats(gw, "iris-1")["last_request_headers"][-1]

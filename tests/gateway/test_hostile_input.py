@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from extproc.openai_api.request import ParsedRequest, session_id
-from extproc.protocol.messages import CLIENT_ERROR_CODES
+from extproc.protocol.messages import CLIENT_ERROR_CODES, ROUTER_ERROR_CODES
 from tests.support.gateway import (
     LIMITS,
     MODEL,
@@ -25,6 +25,7 @@ from tests.support.gateway import (
     post,
     redis_client,
     start_gateway,
+    wait_for_no_leases,
     wait_until,
 )
 
@@ -143,6 +144,37 @@ def test_nesting_deeper_than_the_body_rewrite_is_a_400(gateway, depth):
         assert response.json()["error"]["code"] == "invalid_json"
     else:
         assert response.headers["x-iris-provider"] in ("iris-1", "iris-2", "tensorx")
+
+
+def chat_with_parts(*parts: dict) -> dict:
+    return {**chat_body("x"), "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, *parts]}]}
+
+
+# A part whose `type` is an array or an object once made the parser fail (unhashable) with a 500
+# and a traceback in the log per request (issue 20, item 6).
+UNHASHABLE_TYPES = [
+    pytest.param("/v1/chat/completions", chat_with_parts({"type": ["x"]}), "messages[0].content[1].type", id="chat-part-array"),
+    pytest.param("/v1/chat/completions", chat_with_parts({"type": {"a": 1}}), "messages[0].content[1].type", id="chat-part-object"),
+    pytest.param("/v1/responses", {"model": MODEL, "input": [{"role": "user", "content": [{"type": ["input_image"]}]}]},
+                 "input[0].content[0].type", id="responses-part-array"),
+    pytest.param("/v1/chat/completions", {**chat_body("x"), "input": [{"type": {}}]}, "input[0].type", id="chat-stray-input"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "field"), UNHASHABLE_TYPES)
+def test_a_type_that_is_not_a_string_is_a_400_without_a_traceback(gateway, path, body, field):
+    log_path = gateway.work_dir / "extproc-0.log"
+    logged_before = log_path.stat().st_size
+    response = post(gateway, path, json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["code"] == "invalid_type" and error["code"] in ROUTER_ERROR_CODES
+    assert (error["param"], error["message"]) == (field, f"{field} must be a string")
+    assert wait_for_no_leases(redis_client(gateway), within_seconds=5) == 0
+    with open(log_path, "rb") as log:
+        log.seek(logged_before)
+        logged = log.read().decode(errors="replace")
+    assert "Traceback" not in logged and "unexpected error" not in logged.lower(), logged[-2000:]
 
 
 def test_nothing_was_lost_to_hostile_input(gateway):

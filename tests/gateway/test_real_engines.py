@@ -135,6 +135,50 @@ def test_an_engine_error_passes_through_and_releases_the_lease(gateway):
     assert wait_for_no_leases(redis.Redis.from_url(gateway.redis_url), within_seconds=10) == 0
 
 
+async def test_the_llamacpp_load_preset_reads_the_engines_own_metrics(gateway, engines):
+    """The `llamacpp` preset on a real llama-server's /metrics: more requests than its slots wait
+    (`llamacpp:requests_deferred`), the pair is degraded (source load) while they do, and the
+    flag clears once the engine has caught up."""
+    import asyncio
+
+    from extproc.config import parse_config
+    from extproc.operations.health import HealthMonitor
+    from extproc.routing.degraded import LOAD, DegradedFlags
+    from extproc.storage.client import connect
+
+    engine = engines[1]
+    data = engines_config()
+    data["redis"] = {"url": gateway.redis_url, "key_prefix": "load-preset"}
+    data["providers"][0]["load"] = {"url": f"{engine.url}/metrics", "preset": "llamacpp", "interval_seconds": 0.1, "timeout_seconds": 1}
+    config = parse_config(data)
+    redis_client = connect(gateway.redis_url, timeout_seconds=5)
+    flags = DegradedFlags(redis_client, config)
+    monitor = HealthMonitor(config, redis_client, flags)
+    monitor.start()
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Write a long story about a river."}], "max_tokens": 96}
+    try:
+        async with httpx.AsyncClient(timeout=300) as http:
+            flood = [asyncio.create_task(http.post(f"{engine.url}/v1/chat/completions", json=body)) for _ in range(PARALLEL + 4)]
+            seen = None
+            for _ in range(600):
+                await flags.refresh()
+                seen = flags.flags("iris-1", MODEL_NAME).get(LOAD)
+                if seen:
+                    break
+                await asyncio.sleep(0.05)
+            assert seen and "llamacpp:requests_deferred=" in seen, seen
+            assert all(r.status_code == 200 for r in await asyncio.gather(*flood))
+        for _ in range(600):
+            await flags.refresh()
+            if not flags.is_degraded("iris-1", MODEL_NAME):
+                break
+            await asyncio.sleep(0.05)
+        assert not flags.is_degraded("iris-1", MODEL_NAME)
+    finally:
+        await monitor.close()
+        await redis_client.aclose()
+
+
 def test_a_killed_engine_degrades_its_provider_and_traffic_moves_on(gateway, engines):
     """iris-2's only engine dies while iris-1 is drained (so iris-2 takes the traffic): the request
     that meets the dead engine gets a clean 503 with retry-after, the pair is degraded (source

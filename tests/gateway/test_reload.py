@@ -226,3 +226,37 @@ def test_a_restart_only_change_keeps_the_running_value(tmp_path):
         assert "server.listen changed" in log(100_000) and "needs a restart" in log(100_000)
         body = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "still here"}]}
         assert httpx.post(f"{instance.url}/v1/chat/completions", json=body, timeout=30).status_code == 200
+
+
+def test_workers_reload_without_a_false_restart_warning(tmp_path):
+    """`serve --workers 2` (issue 20): worker 1 serves its metrics on the file's port plus one, so
+    a reload that changes no restart-only setting must not say `server.metrics_listen` needs a
+    restart; a real change of it still does, in both workers, and both keep their ports."""
+    sims = {name: ProviderSimulation(ttft_ms=5, per_token_ms=1) for name in ("iris-1", "iris-2", "tensorx")}
+    with LocalGateway(config_data=routing_config(), simulations=sims, work_dir=tmp_path, extproc_args=["--workers", "2"]) as gateway:
+        instance = gateway.running[0]
+        log = instance.extproc.log_tail  # the supervisor's log: both workers write to it
+        config = yaml.safe_load(instance.config_path.read_text())
+
+        def write(new: dict) -> None:
+            temporary = instance.config_path.with_suffix(".new")
+            temporary.write_text(yaml.safe_dump(new, sort_keys=False))
+            os.replace(temporary, instance.config_path)
+
+        def both_reloaded(n: int) -> None:
+            assert wait_until(lambda: log(1_000_000).count(f"(reload {n})") == 2, within_seconds=30), log(3000)
+
+        config["providers"][0]["models"][MODEL]["limits"] = limits(2)
+        write(config)
+        both_reloaded(1)
+        assert "needs a restart" not in log(1_000_000), log(3000)
+
+        config["server"] = {**config["server"], "metrics_listen": f"127.0.0.1:{instance.metrics_port + 100}"}
+        write(config)
+        both_reloaded(2)
+        assert log(1_000_000).count("server.metrics_listen changed") == 2, log(3000)
+        assert log(1_000_000).count("needs a restart") == 2, log(3000)
+        for port in (instance.metrics_port, instance.metrics_port + 1):  # worker 0's and worker 1's, kept
+            text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+            assert 'iris_config_reloads_total{result="success"} 2.0' in text
+        assert "Traceback" not in log(1_000_000)

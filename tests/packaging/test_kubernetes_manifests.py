@@ -153,7 +153,7 @@ def test_istio_envoy_filter_carries_envoy_yaml_ext_proc_settings():
     assert patch["match"]["listener"]["filterChain"]["filter"]["subFilter"] == {"name": "envoy.filters.http.router"}
     ours, reference = patch["patch"]["value"]["typed_config"], envoy_ext_proc()
     for field in ("@type", "failure_mode_allow", "message_timeout", "processing_mode", "allow_mode_override", "allowed_override_modes",
-                  "response_attributes"):
+                  "response_attributes", "mutation_rules"):
         assert ours[field] == reference[field], field
     service = by_kind("Service")
     port = service["spec"]["ports"][0]["port"]

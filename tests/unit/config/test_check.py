@@ -69,9 +69,68 @@ def test_the_envoy_side_of_the_header():
     manager["early_header_mutation_extensions"] = []
     manager["route_config"]["virtual_hosts"][0]["routes"][0]["route"]["cluster_header"] = "x-other"
     problems = envoy_check.check(config, bootstrap)
-    assert len(problems) == 3 and "x-other" in problems[0] and "no early header mutation" in problems[1]
-    assert "removes 'x-iris-affinity', so a client could pick its replica" in problems[2]
+    assert len(problems) == 4 and "x-other" in problems[0] and "no early header mutation" in problems[1]
+    assert "removes 'x-iris-user' (session.trusted_identity_headers), so any client could claim an identity" in problems[2]
+    assert "removes 'x-iris-affinity', so a client could pick its replica" in problems[3]
     assert envoy_check.check(config, {"static_resources": "nonsense"}) != []  # a shape, never an exception
+
+
+def manager_of(bootstrap: dict) -> dict:
+    return bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+
+
+def test_a_trusted_identity_header_envoy_does_not_strip_is_refused(tmp_path):
+    """Issue 20, item 8: a trusted identity header a client can send is a forged identity. Each
+    one must be removed by the early header mutation, as the routing header is; `check`, `serve`
+    and a reload all run this check."""
+    data = example()
+    data["session"]["trusted_identity_headers"] = ["x-iris-user", "x-user-id", "x-auth-subject"]
+    result = cli("check", "--config", write(tmp_path / "r.yaml", data), "--envoy", str(ENVOY))
+    assert result.returncode == 1, result.stdout + result.stderr
+    problems = [line.strip() for line in result.stdout.splitlines()[1:]]
+    assert problems == [
+        f"{ENVOY}: no early header mutation removes {header!r} (session.trusted_identity_headers), so any client could claim an "
+        "identity (early_header_mutation_extensions: remove; an authenticating filter then sets it)"
+        for header in ("x-user-id", "x-auth-subject")
+    ]
+    served = cli("serve", "--config", str(tmp_path / "r.yaml"), "--envoy", str(ENVOY), cwd=tmp_path)
+    assert served.returncode == 2 and "x-user-id" in served.stderr  # serve refuses the pair before it starts
+    bootstrap = yaml.safe_load(ENVOY.read_text())
+    manager_of(bootstrap)["early_header_mutation_extensions"][0]["typed_config"]["mutations"] += [
+        {"remove": "x-user-id"}, {"remove": "X-Auth-Subject"},
+    ]
+    assert envoy_check.check(parse_config(data), bootstrap) == []  # stripped (names compared without case): they agree
+    data["session"]["identity_sources"] = ["credential", "body"]
+    assert envoy_check.check(parse_config(data), yaml.safe_load(ENVOY.read_text())) == []  # never read: nothing to forge
+
+
+def test_the_ext_proc_filter_must_be_allowed_to_remove_envoys_own_headers():
+    """Issue 20, item 10: x-envoy-external-address (the client's address) is a private header, and
+    Envoy ignores an ext_proc removal of an x-envoy-* header unless mutation_rules allow it."""
+    config = parse_config(example())
+    bootstrap = yaml.safe_load(ENVOY.read_text())
+    ext_proc = next(f for f in manager_of(bootstrap)["http_filters"] if f["name"] == "envoy.filters.http.ext_proc")["typed_config"]
+    assert ext_proc["mutation_rules"] == {"allow_envoy": True}  # the shipped file
+    expected = [
+        "envoy.yaml: the ext_proc filter may not remove 'x-envoy-external-address', so it would reach third parties "
+        "(ext_proc mutation_rules: allow_envoy: true)"
+    ]
+    for rules, problems in [
+        (None, expected),
+        ({"allow_envoy": False}, expected),
+        ({"allow_envoy": {"value": True}}, []),
+        ({"allow_envoy": True, "disallow_expression": {"regex": "x-envoy-.*"}}, expected),
+        ({"allow_expression": {"regex": "x-envoy-external-.*"}}, []),
+        ({"allow_envoy": True, "disallow_all": True}, expected),
+    ]:
+        if rules is None:
+            ext_proc.pop("mutation_rules", None)
+        else:
+            ext_proc["mutation_rules"] = rules
+        assert envoy_check.check(config, bootstrap) == problems, rules
+    data = example()
+    data["adaptation"] = {"private_headers": ["cookie", "x-forwarded-for"]}
+    assert envoy_check.check(parse_config(data), bootstrap) == []  # no x-envoy-* header to remove: no rule needed
 
 
 def test_a_pool_needs_a_consistent_hash_cluster_and_the_routes_hash_policy():
