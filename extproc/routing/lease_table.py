@@ -54,7 +54,7 @@ from extproc.config import Config
 from extproc.routing.outage import OutagePolicy, RedisBreaker
 from extproc.routing.router import Decision, Ids, Reason, Rejection, Router, RoutingRequest
 from extproc.routing.state import Lease, Result, RoutingState, new_id
-from extproc.storage.client import REDIS_FAILURES, in_own_task, is_pool_exhausted
+from extproc.storage.client import REDIS_FAILURES, in_own_task, is_pool_exhausted, redis_time_ms
 from extproc.storage.keys import Keyspace
 from extproc.supervision import run_every
 
@@ -106,7 +106,6 @@ class _Abandoned:
     ids: Ids
     state: RoutingState
     give_up_at: float  # monotonic s: by then a lease it could have admitted has expired by itself
-    admission: asyncio.Future | None = None  # the admission still on its way, if any: abandoned once it lands
 
 
 class LeaseTable:
@@ -186,7 +185,7 @@ class LeaseTable:
             return self._decide_locally(request, state)
         if self.rebuilding:
             return self._decide_locally(request, state, shares=False)
-        ids, admitting = Ids.fresh(), True
+        ids = Ids.fresh()
         admission = None
         try:
             async with asyncio.timeout(self.config.server.decision_timeout_seconds):
@@ -196,14 +195,15 @@ class LeaseTable:
                 # before its abandonment is sent.
                 admission = asyncio.ensure_future(router.execute_request(request, ids))
                 outcome = await in_own_task(admission)
-                admitting = False
                 await self._epoch_read_after(epoch_read)
             if self.rebuilding:  # Redis lost its state: what was admitted may count on nothing
                 self._abandon(request, ids, state)
                 return self._decide_locally(request, state, shares=False)
         except (*REDIS_FAILURES, TimeoutError) as exc:
-            if not (admitting and is_pool_exhausted(exc)):  # that one never reached Redis
-                self._abandon(request, ids, state, admission)
+            # Even a decision that found the pool exhausted: an earlier call of it may have admitted
+            # (a pinned admission that met a changed pin, then could not release). An id never
+            # admitted answers NOT_FOUND.
+            self._abandon(request, ids, state, admission)
             if is_pool_exhausted(exc):
                 return Refusal.OVERLOADED
             metrics.REDIS_ERRORS.labels("decision").inc()
@@ -297,34 +297,40 @@ class LeaseTable:
 
     def _abandon(self, request: RoutingRequest, ids: Ids, state: RoutingState, admission: asyncio.Future | None = None) -> None:
         """Queue the abandonment of `ids`; `admission`: the admission task, which may still be on
-        its way (a timeout or a cancellation does not stop it: it runs in a task of its own)."""
+        its way (a timeout or a cancellation does not stop it: it runs in a task of its own): the
+        abandonment is queued once it has landed or failed."""
         metrics.DECISIONS_ABANDONED.inc()
-        if admission is not None:
-            admission.add_done_callback(lambda done: done.cancelled() or done.exception())
-        if self._abandoned is not None:
-            self._abandoning += 1
-            give_up_at = time.monotonic() + state.config.lease_timeout_seconds
-            self._abandoned.put_nowait(_Abandoned(request.model, request.session_id, ids, state, give_up_at, admission))
+        if self._abandoned is None:
+            return
+        self._abandoning += 1
+        give_up_at = time.monotonic() + state.config.lease_timeout_seconds
+        item = _Abandoned(request.model, request.session_id, ids, state, give_up_at)
+        if admission is not None and not admission.done():
+            admission.add_done_callback(lambda done: (done.cancelled() or done.exception(), self._abandoned.put_nowait(item)))
+        else:
+            if admission is not None:
+                admission.cancelled() or admission.exception()
+            self._abandoned.put_nowait(item)
 
     async def _abandon_one(self) -> None:
-        """The next abandonment, once its admission (if still on its way) has landed or failed,
-        retried until Redis takes it (they are idempotent) or until a lease it could have admitted
-        has expired by itself: past that, abandoning could end a pin the session has made since.
-        One that raises anything else is dropped (its records expire by themselves) and the
-        worker goes on with the next (extproc.supervision counts and logs it)."""
+        """The next abandonment. One that Redis does not take goes back to the queue after
+        `retry_seconds` (they are idempotent), so a dead shard holds up no worker, until a lease
+        it could have admitted has expired by itself: past that, abandoning could end a pin the
+        session has made since, and it is given up. One that raises anything else is dropped (its
+        records expire by themselves) and the worker goes on with the next (extproc.supervision
+        counts and logs it)."""
         item = await self._abandoned.get()
         try:
-            if item.admission is not None and not item.admission.done():
-                await asyncio.wait([item.admission], timeout=max(0.0, item.give_up_at - time.monotonic()))
-            while time.monotonic() < item.give_up_at:
-                try:
-                    await item.state.abandon_request(item.model, item.session_id, item.ids.lease_id, item.ids.pin_id)
-                    return
-                except REDIS_FAILURES:
-                    await asyncio.sleep(self.retry_seconds)
+            await item.state.abandon_request(item.model, item.session_id, item.ids.lease_id, item.ids.pin_id)
+        except REDIS_FAILURES:
+            if time.monotonic() + self.retry_seconds < item.give_up_at:
+                asyncio.get_running_loop().call_later(self.retry_seconds, self._abandoned.put_nowait, item)
+                return
             log.warning("abandonment of lease %s given up: whatever it admitted has expired by itself", item.ids.lease_id)
-        finally:
+        except BaseException:
             self._abandoning -= 1
+            raise
+        self._abandoning -= 1
 
     # ---- renewing -----------------------------------------------------------------------
 
@@ -442,8 +448,7 @@ class LeaseTable:
         raw = await redis.get(self._epoch_key)
         if raw is not None and _text(raw) == self.epoch:
             return self.epoch, math.inf
-        seconds, micros = await redis.time()
-        now_ms = seconds * 1000 + micros // 1000
+        now_ms = await redis_time_ms(redis, self._epoch_key)
         if raw is None:
             async with redis.pipeline(transaction=True) as pipe:
                 pipe.set(self._epoch_key, f"{uuid.uuid4().hex}@{now_ms}", nx=True)

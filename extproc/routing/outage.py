@@ -28,7 +28,7 @@ from redis.asyncio import Redis
 
 from extproc.config import Config, Provider
 from extproc.routing.router import Rejection, RejectionKind, Router, RoutingRequest
-from extproc.storage.client import REDIS_FAILURES, is_pool_exhausted
+from extproc.storage.client import REDIS_FAILURES, is_pool_exhausted, redis_time_ms
 from extproc.storage.keys import Keyspace
 
 log = logging.getLogger(__name__)
@@ -47,8 +47,7 @@ class InstanceRegistry:
 
     async def heartbeat(self) -> int:
         """Renew this instance's entry and return the number of live instances. Raises RedisError."""
-        seconds, micros = await self.redis.time()
-        now = seconds * 1000 + micros // 1000
+        now = await redis_time_ms(self.redis, self.key)
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.zadd(self.key, {self.instance_id: now + self.ttl_ms})
             pipe.zremrangebyscore(self.key, "-inf", now)

@@ -60,6 +60,18 @@ def _retrieve(task: asyncio.Future) -> None:
         task.exception()
 
 
+async def redis_time_ms(redis: RedisClient, key: str) -> int:
+    """Redis `TIME` in milliseconds, from the node that owns `key` in a Redis Cluster (whose
+    clocks may differ: the time a script compares with is its own node's), else from the server.
+    Raises what the client raises."""
+    if isinstance(redis, RedisCluster):
+        await redis.initialize()  # the slot map, once (a no-op after the first command)
+        seconds, micros = await redis.execute_command("TIME", target_nodes=redis.get_node_from_key(key))
+    else:
+        seconds, micros = await redis.time()
+    return int(seconds) * 1000 + int(micros) // 1000
+
+
 def open_redis(settings: RedisSettings, timeout_seconds: float | None = None) -> RedisClient:
     """A client for the configured topology. `timeout_seconds` (seconds) overrides
     `settings.socket_timeout_seconds` for connecting, each command and waiting for a pooled

@@ -112,6 +112,27 @@ def test_cluster_runs_every_command_without_crossing_slots(cluster):
     asyncio.run(exercise_everything(config))
 
 
+def test_cluster_time_comes_from_the_node_that_owns_the_key(cluster):
+    """The epoch's age and the instance registry compare with the Redis time of the node their
+    key lives on (redis_time_ms), not of whichever node the client picks."""
+    from extproc.storage.client import redis_time_ms
+
+    config = many_models_config({"key_prefix": "t3", "cluster": {"nodes": cluster.seeds[:1]}})
+
+    async def run() -> tuple[int, int]:
+        client = open_redis(config.redis)
+        try:
+            key = "{t3}:epoch"
+            node = cluster.primary_for(key)
+            seconds, micros = cluster.client(node).time()
+            return await redis_time_ms(client, key), seconds * 1000 + micros // 1000
+        finally:
+            await client.aclose()
+
+    ours, owner = asyncio.run(run())
+    assert abs(ours - owner) < 1000
+
+
 def test_cluster_recovers_noscript_on_the_node_that_answers(cluster):
     config = many_models_config({"key_prefix": "t2", "cluster": {"nodes": cluster.seeds}})
 

@@ -18,7 +18,7 @@ for _, p in pairs(ctx.by_name) do
     result = 'LEASE_EXPIRED'
   end
   redis.call('ZADD', p.leases_key, ctx.now, lease_id)
-  redis.call('PEXPIRE', p.leases_key, ctx.lease_timeout + ctx.grace)
+  extend_ttl(p.leases_key, ctx.lease_timeout + ctx.grace)
   forget_earlier(ctx, p, lease_id)
 end
 redis.call('ZREM', ctx.session_leases_key, lease_id)

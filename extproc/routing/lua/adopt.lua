@@ -15,5 +15,5 @@ end
 local score = tonumber(redis.call('ZSCORE', p.leases_key, lease_id)) or 0
 local deadline = math.max(score, ctx.now + ctx.lease_timeout)
 redis.call('ZADD', p.leases_key, deadline, lease_id)
-redis.call('PEXPIRE', p.leases_key, ctx.lease_timeout + ctx.grace)
+extend_ttl(p.leases_key, ctx.lease_timeout + ctx.grace)
 return reply(ctx, 'ADMITTED', nil, lease_id, deadline)

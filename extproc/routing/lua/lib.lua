@@ -89,6 +89,14 @@ local function read_pin(ctx)
   return pin
 end
 
+-- A key shared by many pins or leases keeps the longest TTL asked of it: a reload that shortens the
+-- pin or lease timeout must not let it expire under the pins and leases made before.
+local function extend_ttl(key, ms)
+  if redis.call('PTTL', key) < ms then
+    redis.call('PEXPIRE', key, ms)
+  end
+end
+
 local function save_pin(ctx, p, pin)
   local ttl = pin.expiry - ctx.now + ctx.grace
   redis.call('HSET', ctx.pin_key, 'provider', pin.provider, 'id', pin.id,
@@ -96,7 +104,7 @@ local function save_pin(ctx, p, pin)
   redis.call('PEXPIRE', ctx.pin_key, ttl)
   redis.call('PEXPIRE', ctx.session_leases_key, ttl)  -- a no-op while the session holds no lease
   redis.call('ZADD', p.pins_key, pin.expiry, pin.id)
-  redis.call('PEXPIRE', p.pins_key, math.max(ctx.pin_timeout, ctx.lease_timeout) + ctx.grace)
+  extend_ttl(p.pins_key, math.max(ctx.pin_timeout, ctx.lease_timeout) + ctx.grace)
 end
 
 local function drop_pin(ctx, p, pin)
@@ -165,7 +173,7 @@ end
 local function add_lease(ctx, p, lease_id)
   local deadline = ctx.now + ctx.lease_timeout
   redis.call('ZADD', p.leases_key, deadline, lease_id)
-  redis.call('PEXPIRE', p.leases_key, ctx.lease_timeout + ctx.grace)
+  extend_ttl(p.leases_key, ctx.lease_timeout + ctx.grace)
   return deadline
 end
 

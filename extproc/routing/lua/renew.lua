@@ -14,7 +14,7 @@ if not score or score <= ctx.now then
 end
 local deadline = math.max(score, ctx.now + ctx.lease_timeout)
 redis.call('ZADD', p.leases_key, 'XX', deadline, lease_id)
-redis.call('PEXPIRE', p.leases_key, ctx.lease_timeout + ctx.grace)
+extend_ttl(p.leases_key, ctx.lease_timeout + ctx.grace)
 local pin = read_pin(ctx)
 if lease_on_pin(ctx, p, pin, lease_id) then
   redis.call('ZADD', ctx.session_leases_key, 'XX', deadline, lease_id)

@@ -210,8 +210,8 @@ MUTANTS = (
     Mutant(
         "lease_keys_expire_without_grace",
         "the leases key's TTL leaves out the housekeeping grace",
-        (("lib", "redis.call('ZADD', p.leases_key, deadline, lease_id)\n  redis.call('PEXPIRE', p.leases_key, ctx.lease_timeout + ctx.grace)",
-          "redis.call('ZADD', p.leases_key, deadline, lease_id)\n  redis.call('PEXPIRE', p.leases_key, ctx.lease_timeout)"),),
+        (("lib", "redis.call('ZADD', p.leases_key, deadline, lease_id)\n  extend_ttl(p.leases_key, ctx.lease_timeout + ctx.grace)",
+          "redis.call('ZADD', p.leases_key, deadline, lease_id)\n  extend_ttl(p.leases_key, ctx.lease_timeout)"),),
     ),
     Mutant(
         "session_leases_key_without_ttl",

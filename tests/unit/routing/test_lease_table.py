@@ -154,3 +154,59 @@ async def _is(awaitable, value) -> bool:
 
 async def _is_zero(value) -> bool:
     return value == 0
+
+
+async def test_a_dead_shard_holds_up_no_other_abandonment_and_its_own_give_up(redis_url, redis_client):
+    """Abandonments that cannot reach their Redis (a dead shard: a closed port) are retried only
+    until whatever they could have admitted has expired by itself (a lease timeout), and several
+    are served at once: the abandonment of a live shard's lease is not queued behind them."""
+    from extproc.routing.router import Ids
+    from irislab.processes import free_port
+
+    table = make_table(redis_client, redis_url)
+    table.retry_seconds = 0.05  # several retries within the lease timeout (0.3 s)
+    await table.refresh_epoch()
+    dead_state = RoutingState(connect(f"redis://127.0.0.1:{free_port()}/0", timeout_seconds=0.05), table.config)
+    for i in range(8):
+        table._abandon(chat(f"dead-{i}"), Ids.fresh(), dead_state)
+    held = await table.decide(chat("live"))
+    assert isinstance(held, Held) and await live(redis_client, table) == 1
+    table._abandon(chat("live"), Ids(held.lease.id, Ids.fresh().pin_id), table.state)
+    assert await wait_for(lambda: _none_live(redis_client, table), seconds=0.25)
+    assert table.pending_abandonments > 0  # the live one went through while the dead ones still retry
+    assert await wait_for(lambda: _no_pending(table), seconds=5)  # each gave up after a lease timeout (0.3 s)
+    table._forget(held)
+    await table.drain()
+
+
+async def _none_live(redis_client, table) -> bool:
+    return await live(redis_client, table) == 0
+
+
+async def _no_pending(table) -> bool:
+    return table.pending_abandonments == 0
+
+
+async def test_a_decision_that_admitted_then_met_an_exhausted_pool_abandons_what_it_admitted(redis_url, redis_client):
+    """A pinned admission that met a changed pin is released by the router; when that release
+    finds this process's connections all busy, the decision fails as overloaded and what it
+    admitted is abandoned all the same (issue 20: it was neither released nor abandoned)."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    config = parse_config(small_config_data(redis_url))  # 30 s leases: none expires by itself here
+    state = RoutingState(redis_client, config)
+    plain = Router(config, state, DegradedFlags(redis_client, config))
+    table = LeaseTable(config, state, plain, OutagePolicy(config, plain, InstanceRegistry(redis_client, "t")), RedisBreaker(redis_client, 3))
+    table.start()
+    await table.refresh_epoch()
+
+    class AdmitsThenFindsThePoolBusy(Router):
+        async def execute_request(self, request, ids):
+            await self.state.try_admit_unpinned_session_request("iris-1", request.model, request.session_id, lease_id=ids.lease_id,
+                                                                pin_id=ids.pin_id)
+            raise RedisConnectionError("no connection available") from TimeoutError()
+
+    router = AdmitsThenFindsThePoolBusy(table.config, table.state, table.router.degraded)
+    assert await table.decide(chat("s"), router=router) is Refusal.OVERLOADED
+    assert await wait_for(lambda: _none_live(redis_client, table), seconds=5)
+    await table.drain()

@@ -424,3 +424,17 @@ async def test_a_new_pin_counts_the_sessions_earlier_requests_on_the_pair(state)
     assert (await state.try_admit_pinned_session_request("m", "s1", now_ms=dead + 1)).result is (
         Result.PER_SESSION_IN_FLIGHT_REQUEST_LIMIT_REACHED
     )
+
+
+async def test_a_shorter_timeout_after_a_reload_never_shortens_the_shared_keys(redis_client, redis_url):
+    """A reload that lowers the pin and lease timeouts: the pair's shared sets (every pin, every
+    lease) keep the TTL the longer-lived pins and leases made before need (issue 20: they would
+    expire under those pins and leases, and the pair's counts would drop)."""
+    before = RoutingState(redis_client, parse_config(small_config_data(redis_url)))  # pins 300 s, leases 30 s
+    after = RoutingState(redis_client, parse_config(small_config_data(redis_url, pin_inactivity_timeout_seconds=5, lease_timeout_seconds=2)))
+    await pin_new_session(before, session="old")
+    old_pins_ttl = await redis_client.pttl(before.keys.provider_pins("m", "iris-1"))
+    old_leases_ttl = await redis_client.pttl(before.keys.provider_leases("m", "iris-1"))
+    await pin_new_session(after, session="new")
+    assert await redis_client.pttl(before.keys.provider_pins("m", "iris-1")) > old_pins_ttl - 1000
+    assert await redis_client.pttl(before.keys.provider_leases("m", "iris-1")) > old_leases_ttl - 1000
