@@ -31,6 +31,7 @@ import queue
 import tempfile
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +45,7 @@ from bench.common import (
     machine_description,
     plain_envoy_bootstrap,
     pool_cluster,
+    print_figure,
     print_table,
     start_envoy,
     summarize_ms,
@@ -152,6 +154,7 @@ def stream_one(client: httpx.Client, url: str, turn: Turn, max_tokens: int) -> R
     with client.stream("POST", f"{url}/v1/chat/completions", json=body, headers=headers) as response:
         if response.status_code != 200:
             response.read()
+            print(f"{turn.session}: {response.status_code} {response.text[:300]}", flush=True)
             return Result(turn.session, None, response.status_code)
         for line in response.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -241,7 +244,8 @@ def run_front(front: str, sessions: list[list[Turn]], args: argparse.Namespace, 
             stop_front()
         for engine in engines:
             engine.stop()
-    ok = [r for r in results if r.status == 200 and r.ttft_ms is not None]
+    ok = [r for r in results if r.status == 200]
+    timed = [r for r in ok if r.ttft_ms is not None]  # an answer of no content (the model ended at once) has no first token
     cached = sum(c.get("llamacpp:prompt_tokens_cached_total", 0) for c in counters)
     processed = sum(c.get("llamacpp:prompt_tokens_total", 0) for c in counters)
     later = [r for r in ok if r.prompt]
@@ -249,8 +253,10 @@ def run_front(front: str, sessions: list[list[Turn]], args: argparse.Namespace, 
         "front": front,
         "requests": len(results),
         "errors": len(results) - len(ok),
+        "errors_by_status": dict(sorted(Counter(str(r.status) for r in results if r.status != 200).items())),
+        "answers_without_content": len(ok) - len(timed),
         "requests_per_second": len(ok) / wall if wall else 0.0,
-        "ttft_ms": summarize_ms([r.ttft_ms for r in ok]),
+        "ttft_ms": summarize_ms([r.ttft_ms for r in timed]),
         "engine_cache_share": cached / (cached + processed) if cached + processed else 0.0,
         "client_cached_share": sum(r.cached for r in later) / max(1, sum(r.prompt for r in later)),
         "peak_concurrency_per_engine": peaks,
@@ -270,6 +276,13 @@ def report(runs: list[dict[str, Any]], skipped: dict[str, str]) -> None:
         ])
     print_table("Real engines: one pool of llama-server, four front ends",
                 ["front end", "requests", "errors", "req/s", "TTFT p50 ms", "TTFT p99 ms", "engine cache share", "peak per engine"], rows)
+    for run in runs:
+        front = run["front"]
+        print_figure(f"ttft_p50_ms:{front}", run["ttft_ms"]["p50_ms"])
+        print_figure(f"ttft_p99_ms:{front}", run["ttft_ms"]["p99_ms"])
+        print_figure(f"engine_cache_share:{front}", run["engine_cache_share"])
+        print_figure(f"requests_per_second:{front}", run["requests_per_second"])
+        print_figure(f"peak_per_engine:{front}", max(run["peak_concurrency_per_engine"]))
     for front, why in skipped.items():
         print(f"skipped {front}: {why}")
 
@@ -313,9 +326,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--clients", type=int, default=0, help="concurrent clients (0: engines x parallel)")
     parser.add_argument("--fronts", nargs="+", default=list(FRONTS), choices=FRONTS)
     parser.add_argument("--trace", type=Path, default=default_trace_path())
+    parser.add_argument("--tiny", action="store_true", help="2 sessions x 2 turns, short prompts (for the smoke test)")
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--plot", type=Path, help="write the plot (PNG) here")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.tiny:
+        args.sessions, args.turns, args.words_per_block, args.max_blocks, args.max_tokens = 2, 2, 12, 4, 2
+    return args
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

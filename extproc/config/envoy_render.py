@@ -9,7 +9,9 @@ routing config:
   the early header mutation removes both and the trusted identity headers (a client's own copies);
 - every provider with `endpoints` gets its cluster built from them: STATIC for IP addresses,
   STRICT_DNS for names (a headless Service resolves to every replica), TLS with SNI for https;
-  MAGLEV for a pool whose sessions keep their replica (`session_hash`), LEAST_REQUEST otherwise;
+  MAGLEV with bounded load for a pool whose sessions keep their replica (`session_hash`: a
+  replica above 1.5 x the pool's mean of active requests passes a new request to the next replica
+  of the hash), LEAST_REQUEST otherwise;
   the template's provider settings (timeouts, buffer limit, HTTP options, circuit breakers); for a
   managed provider, Envoy's own health check of each replica and outlier detection, so that a
   failed replica leaves the hash ring and only its sessions move; a `sessionless_cluster` over
@@ -32,6 +34,7 @@ from extproc.config.schema import Affinity, Config, Provider, ProviderKind
 
 PROTOTYPE_KEYS = ("connect_timeout", "per_connection_buffer_limit_bytes", "typed_extension_protocol_options", "circuit_breakers")
 DEFAULT_HEALTH_PATH = "/health"
+HASH_BALANCE_FACTOR = 150  # percent of the pool's mean active requests a replica may carry (Envoy's bounded load)
 TLS_SOCKET = "envoy.transport_sockets.tls"
 TLS_CONTEXT_TYPE = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext"
 
@@ -147,6 +150,8 @@ def _provider_cluster(provider: Provider, name: str, prototype: dict[str, Any], 
     cluster.update(copy.deepcopy(prototype))
     hashed = sessions and provider.session_affinity is Affinity.SESSION_HASH
     cluster["lb_policy"] = "MAGLEV" if hashed else "LEAST_REQUEST"
+    if hashed:  # bounded load: a replica above 1.5 x the pool's mean passes new sessions to the next of the hash
+        cluster["common_lb_config"] = {"consistent_hashing_lb_config": {"hash_balance_factor": HASH_BALANCE_FACTOR}}
     if cluster["type"] == "STRICT_DNS":
         cluster["dns_lookup_family"] = "V4_PREFERRED"
     cluster["load_assignment"] = {

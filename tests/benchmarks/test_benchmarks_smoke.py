@@ -184,3 +184,19 @@ def test_percentile_interpolates():
 def test_a_peer_that_is_not_installed_is_reported_not_started():
     missing = Peer("nothing", "no-such-router-program", "round_robin", "warn")
     assert "no-such-router-program" in unavailable(missing)
+
+
+def test_real_engines_prints_every_figure(tmp_path):
+    """bench.real_engines on its tiny workload: llama-server engines (built by `./dev test`) behind
+    each front end; a peer that is not installed is skipped with its reason."""
+    from bench.real_engines import FRONTS
+
+    figures, result = run_bench("real_engines", tmp_path, timeout=600)
+    measured = [run["front"] for run in result["runs"]]
+    assert {"iris", "round_robin"} <= set(measured)
+    assert set(measured) | set(result["skipped"]) == set(FRONTS)
+    for front in measured:
+        assert_numbers(figures, [f"{name}:{front}" for name in
+                                 ("ttft_p50_ms", "ttft_p99_ms", "engine_cache_share", "requests_per_second", "peak_per_engine")])
+    for run in result["runs"]:
+        assert run["requests"] == 4 and run["errors"] == 0, run
