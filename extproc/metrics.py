@@ -32,6 +32,9 @@ DECISIONS_ABANDONED = Counter(
 )
 SESSION_SIGNALS = Counter("iris_session_signals_total", "Requests by the signal that chose their session", ["signal"])
 CHAINS_RECORDED = Counter("iris_response_chains_recorded_total", "Responses API response ids recorded in Redis")
+CHAINS_CAPPED = Counter(
+    "iris_response_chains_capped_total", "Responses API response ids not recorded: the model's chain records were at session.max_response_chains"
+)
 LOCAL_LEASES = Gauge("iris_local_leases", "Request leases held in this process only (granted during a Redis outage, not yet adopted)")
 ADMISSIONS_NOT_REPLICATED = Counter(
     "iris_admissions_not_replicated_total",

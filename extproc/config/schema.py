@@ -450,7 +450,12 @@ class SessionSettings(_Strict):
     determine_session_id, with the session signals real clients send). The first identity source
     in `identity_sources` that is present wins (none: anonymous), then the first signal in
     `signals` that is present; the session id is a keyed hash of (identity, model, feature class,
-    signal, value)."""
+    signal, value).
+
+    `max_response_chains`: per model, the Responses chain records kept at most (each lives as long
+    as its session's pin can), so Redis memory stays bounded whatever clients send, as pins are
+    (`max_pinned_sessions_unlimited`); a response beyond the cap is not recorded, and a turn
+    continuing it starts a new session. Null removes the bound."""
 
     secret_env: Annotated[str, RESTART_ONLY] = "IRIS_SESSION_SECRET"
     identity_sources: list[IdentitySource] = Field(default=list(IdentitySource), min_length=0)
@@ -459,6 +464,7 @@ class SessionSettings(_Strict):
     session_headers: list[HeaderName] = ["x-session-id"]
     agent_session_headers: list[HeaderName] = list(DEFAULT_AGENT_SESSION_HEADERS)
     completions_prefix_chars: int = Field(default=2048, gt=0)
+    max_response_chains: int | None = Field(default=100_000, ge=1)
 
 
 class ServerSettings(_Strict):

@@ -30,6 +30,7 @@ from redis.asyncio import Redis
 
 from extproc.config import Config
 from extproc.openai_api.request import keyed_hash
+from extproc.storage.client import LuaScript
 from extproc.storage.keys import Keyspace
 
 MAX_SCAN_BYTES = 64 * 1024  # a stream whose first event is not complete within this is not read
@@ -44,19 +45,48 @@ class ChainLink:
     provider: str | None
 
 
+# Record (or refresh) one chain under the model's cap, atomically: KEYS record, the model's set of
+# records; ARGV value ('' to refresh only), TTL ms, cap (0: none), the record's digest. 1 when
+# recorded or refreshed, 0 when the cap refused a new record or the record to refresh is gone.
+_RECORD = LuaScript("""
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local ttl, cap, digest = tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
+if ARGV[1] == '' then
+  if redis.call('PEXPIRE', KEYS[1], ttl) == 0 then
+    return 0
+  end
+elseif cap > 0 and not redis.call('ZSCORE', KEYS[2], digest) and redis.call('ZCARD', KEYS[2]) >= cap then
+  return 0
+else
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ttl)
+end
+redis.call('ZADD', KEYS[2], now + ttl, digest)
+if redis.call('PTTL', KEYS[2]) < ttl then
+  redis.call('PEXPIRE', KEYS[2], ttl)
+end
+return 1
+""")
+
+
 class ResponseChains:
-    """The response id -> (session, provider) records in Redis. Raises RedisError."""
+    """The response id -> (session, provider) records in Redis, at most
+    `session.max_response_chains` per model. Raises RedisError."""
 
     def __init__(self, redis: Redis, config: Config, secret: bytes):
         self.redis = redis
         self.keys = Keyspace(config.redis.key_prefix)
         self.secret = secret
         self.ttl_ms = round((config.pin_inactivity_timeout_seconds + config.lease_timeout_seconds) * 1000)
+        self.cap = config.session.max_response_chains or 0
 
     def key(self, model: str, identity: str, response_id: str) -> str:
         """The record's key: `{prefix:model}:response:<keyed hash>`."""
-        digest = keyed_hash(self.secret, b"response", identity.encode(), response_id.encode())
-        return self.keys.response_chain(model, digest)
+        return self.keys.response_chain(model, self._digest(identity, response_id))
+
+    def _digest(self, identity: str, response_id: str) -> str:
+        return keyed_hash(self.secret, b"response", identity.encode(), response_id.encode())
 
     async def lookup(self, model: str, identity: str, response_id: str) -> ChainLink | None:
         """The record of `response_id` for this identity, or None (unknown, expired, or another
@@ -70,16 +100,22 @@ class ResponseChains:
             return None
         return ChainLink(session or None, provider or None)
 
-    async def record(self, model: str, identity: str, response_id: str, link: ChainLink) -> None:
-        """Remember `response_id` -> `link` for as long as the session's pin can live."""
+    async def record(self, model: str, identity: str, response_id: str, link: ChainLink) -> bool:
+        """Remember `response_id` -> `link` for as long as the session's pin can live. False when
+        the model's records are at the cap (nothing is recorded)."""
         value = orjson.dumps([link.session_id or "", link.provider or ""])
-        await self.redis.set(self.key(model, identity, response_id), value, px=self.ttl_ms)
+        return await self._call(model, identity, response_id, value)
+
+    async def _call(self, model: str, identity: str, response_id: str, value: bytes) -> bool:
+        digest = self._digest(identity, response_id)
+        keys = [self.keys.response_chain(model, digest), self.keys.response_chains(model)]
+        return bool(await _RECORD(self.redis, keys, [value, self.ttl_ms, self.cap, digest]))
 
     async def refresh(self, model: str, identity: str, response_id: str) -> None:
         """Start the record's TTL again, while the answer that produced it streams and at its end: a
         stream longer than the TTL would otherwise lose its chain before the session's pin, whose
         timeout starts at the request's end. A record that is gone stays gone."""
-        await self.redis.pexpire(self.key(model, identity, response_id), self.ttl_ms)
+        await self._call(model, identity, response_id, b"")
 
 
 class ResponseIdReader:

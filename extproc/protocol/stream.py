@@ -302,7 +302,10 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
         """Before the client can see the id: so a next turn through any instance finds it."""
         provider = stream.decision.provider.name if stream.stores_response else None
         try:
-            await in_own_task(self.chains.record(stream.model, stream.identity, response_id, ChainLink(stream.session_id, provider)))
+            link = ChainLink(stream.session_id, provider)
+            if not await in_own_task(self.chains.record(stream.model, stream.identity, response_id, link)):
+                metrics.CHAINS_CAPPED.inc()
+                return
             stream.response_id = response_id
             self._keep_chain(stream)
             metrics.CHAINS_RECORDED.inc()

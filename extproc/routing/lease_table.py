@@ -495,10 +495,26 @@ class LeaseTable:
             adopted += 1
         return adopted
 
+    def _state_for(self, held: Held) -> RoutingState | None:
+        """The routing state that knows `held`'s pair: the one it was admitted with, else the
+        table's (a lease granted during an outage may name a provider only a newer config has),
+        else None (no config serves the pair any more)."""
+        lease = held.lease
+        for state in (held.state, self.state):
+            if state is not None and state.serves(lease.provider, lease.model):
+                return state
+        return None
+
     async def _adopt(self, held: Held) -> None:
+        state = self._state_for(held)
+        if state is None:  # nothing can count it: it runs uncounted, and blocks no recovery
+            log.warning("lease on %s %s not adopted: no routing config serves the pair now", held.lease.provider, held.lease.model)
+            self._forget(held)
+            return
+        held.state = state
         held.adopting = True
         try:
-            await (held.state or self.state).adopt_request_lease(held.lease)
+            await state.adopt_request_lease(held.lease)
         except BaseException:
             if held.ended and not held.local:
                 self._spawn_release(held, refresh=False)

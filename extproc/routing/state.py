@@ -189,6 +189,10 @@ class RoutingState:
             ]
             self._model_args[model] = [*self._timing, len(providers), *_limits_args(config, model, providers)]
 
+    def serves(self, provider: str, model: str) -> bool:
+        """Whether this state's config has the pair (provider, model): its scripts know its keys."""
+        return any(p.name == provider for p in self.config.providers_for(model))
+
     async def load_scripts(self) -> None:
         """Load every script into the Redis script cache (optional: calls load on demand)."""
         for script in self._scripts.values():

@@ -47,6 +47,10 @@ class Keyspace:
         """A Responses chain record; `digest` is the keyed hash of (identity, response id)."""
         return f"{self.tag(model)}:response:{digest}"
 
+    def response_chains(self, model: str) -> str:
+        """The model's chain records (zset: keyed hash -> expiry, Redis time ms), for their cap."""
+        return f"{self.tag(model)}:responses"
+
     def epoch(self) -> str:
         """The routing state's epoch (``<uuid>@<Redis time, ms>``): a new one means Redis lost
         the state."""

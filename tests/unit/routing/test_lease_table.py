@@ -210,3 +210,35 @@ async def test_a_decision_that_admitted_then_met_an_exhausted_pool_abandons_what
     assert await table.decide(chat("s"), router=router) is Refusal.OVERLOADED
     assert await wait_for(lambda: _none_live(redis_client, table), seconds=5)
     await table.drain()
+
+
+async def test_a_local_lease_no_config_serves_does_not_keep_the_breaker_open(redis_url, redis_client):
+    """A reload during an outage can leave a local lease naming a provider that the state it was
+    granted with lacks (issue 20): the recovery adopts it through the state that serves the pair,
+    or forgets it when none does, and closes the breaker either way."""
+    from extproc.routing.router import Decision, Reason
+    from extproc.routing.state import Lease, new_id
+
+    table = make_table(redis_client, redis_url)
+    await table.refresh_epoch()
+    newer = parse_config(small_config_data(redis_url, lease_timeout_seconds=0.3, providers=[
+        *small_config_data(redis_url)["providers"],
+        {"name": "iris-3", "kind": "managed", "cluster": "iris-3",
+         "models": {"m": {"features": ["chat"], "limits": {"max_global_in_flight_request_slots": 4}}}},
+    ]))
+    newer_state = RoutingState(redis_client, newer)
+    table.reconfigure(newer, newer_state, Router(newer, newer_state, DegradedFlags(redis_client, newer)))
+    old_state = RoutingState(redis_client, parse_config(small_config_data(redis_url, lease_timeout_seconds=0.3)))
+    table.breaker.trip(ConnectionError("outage"))
+    served = table._hold(Decision(newer.provider("iris-3"), Reason.UNPINNED, Lease("m", "iris-3", new_id(), None, None, 0), None,
+                                  refresh_pin_on_success=False), local=True, state=old_state)
+    ghost = newer.provider("iris-3").model_copy(update={"name": "gone"})
+    orphan = table._hold(Decision(ghost, Reason.UNPINNED, Lease("m", "gone", new_id(), None, None, 0), None,
+                                  refresh_pin_on_success=False), local=True, state=old_state)
+    assert table.local_leases == 2
+    assert await table.recover() == 2
+    assert not table.breaker.is_open and table.local_leases == 0
+    assert await live(redis_client, table, "iris-3") == 1  # adopted through the state that serves iris-3
+    table.end(served, succeeded=False)
+    table.end(orphan, succeeded=False)
+    await table.drain()

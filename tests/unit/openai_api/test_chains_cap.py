@@ -1,0 +1,44 @@
+"""Responses chain records are bounded per model (session.max_response_chains), as pins are: a
+response beyond the cap is not recorded; one whose record expired frees its place; a refresh
+keeps a record's place without counting twice."""
+
+from __future__ import annotations
+
+import asyncio
+
+from extproc.config import parse_config
+from extproc.openai_api.chains import ChainLink, ResponseChains
+from tests.support.configs import small_config_data
+
+
+def chains(redis_client, redis_url, cap: int, pin_seconds: float = 300.0) -> ResponseChains:
+    data = small_config_data(redis_url, pin_inactivity_timeout_seconds=pin_seconds, lease_timeout_seconds=0.05)
+    data["session"] = {"max_response_chains": cap}
+    return ResponseChains(redis_client, parse_config(data), b"secret")
+
+
+async def test_records_beyond_the_cap_are_refused_until_one_expires(redis_client, redis_url):
+    bounded = chains(redis_client, redis_url, cap=2, pin_seconds=0.2)
+    link = ChainLink("session", "iris-1")
+    assert await bounded.record("m", "alice", "resp_1", link)
+    assert await bounded.record("m", "alice", "resp_2", link)
+    assert await bounded.record("m", "alice", "resp_1", link)  # the same record again takes no new place
+    assert not await bounded.record("m", "bob", "resp_3", link)
+    assert await bounded.lookup("m", "bob", "resp_3") is None
+    assert await bounded.record("e", "bob", "resp_3", link)  # another model has its own cap
+    await asyncio.sleep(0.35)  # resp_1 and resp_2 expire (TTL 0.25 s)
+    assert await bounded.record("m", "bob", "resp_3", link)
+    assert await bounded.lookup("m", "bob", "resp_3") == link
+
+
+async def test_a_refresh_keeps_the_record_and_a_gone_one_stays_gone(redis_client, redis_url):
+    bounded = chains(redis_client, redis_url, cap=10, pin_seconds=0.2)
+    link = ChainLink("session", None)
+    assert await bounded.record("m", "alice", "resp_1", link)
+    for _ in range(4):  # 0.4 s in all, past the 0.25 s TTL, refreshed every 0.1 s
+        await asyncio.sleep(0.1)
+        await bounded.refresh("m", "alice", "resp_1")
+    assert await bounded.lookup("m", "alice", "resp_1") == link
+    await bounded.refresh("m", "alice", "never_recorded")
+    assert await bounded.lookup("m", "alice", "never_recorded") is None
+    assert await redis_client.zcard(bounded.keys.response_chains("m")) == 1
