@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from irislab.local_gateway import LocalGateway, ProviderSimulation
+from tests.support.gateway import wait_until
 
 MODEL = "m"
 REPLICAS = 3
@@ -39,6 +40,13 @@ def pool(tmp_path_factory):
                            work_dir=tmp_path_factory.mktemp("pool"))
     with gateway:
         yield gateway
+
+
+def envoy_connections(gateway: LocalGateway, port: int) -> int:
+    """Envoy's open connections to the replica on `port` (its admin /clusters page)."""
+    text = httpx.get(f"http://127.0.0.1:{gateway.running[0].admin_port}/clusters", timeout=5).text
+    prefix = f"iris-1::127.0.0.1:{port}::cx_active::"
+    return next((int(line[len(prefix):]) for line in text.splitlines() if line.startswith(prefix)), 0)
 
 
 def turn(client: httpx.Client, gateway: LocalGateway, session: int, history: list[dict]) -> tuple[str, dict]:
@@ -74,7 +82,12 @@ def test_every_session_keeps_one_replica_and_its_cache_and_a_dead_replica_moves_
         spread = Counter(replica_of.values())
         assert set(spread) == {f"iris-1-r{i}" for i in range(REPLICAS)}, spread  # 30 sessions reach all three
 
-        pool.pools["iris-1"][0].kill()
+        victim = pool.pools["iris-1"][0]
+        victim.kill()
+        # Envoy drops its idle keep-alive connections to the dead replica as it sees them close; a
+        # request sent on one at that very instant would be reset after it was sent (a 503 the
+        # retry policy must not repeat: docs/operations.md "Real fleets").
+        assert wait_until(lambda: envoy_connections(pool, victim.port) == 0, within_seconds=10)
         moved_to: dict[int, str] = {}
         for number in range(2):
             for session, history in histories.items():
