@@ -12,6 +12,7 @@ from typing import Any
 
 import yaml
 
+from extproc.config.envoy_check import connection_managers, removed_early
 from extproc.config.examples import envoy_yaml
 
 DNS_CLUSTER_TYPES = ("STRICT_DNS", "LOGICAL_DNS")
@@ -89,7 +90,7 @@ def with_stand_in_authentication(bootstrap: dict[str, Any], headers: list[str]) 
     header_mutation filter before ext_proc sets the header from the copy and drops the copy. The
     tests' clients send the identity they claim in the header itself, as a verified token's claim
     would set it. For the lab only: a real deployment authenticates the client there."""
-    for manager in _connection_managers(bootstrap):
+    for manager in connection_managers(bootstrap):
         extensions = manager.setdefault("early_header_mutation_extensions", [])
         if not extensions:
             extensions.append({"name": "envoy.http.early_header_mutation.header_mutation", "typed_config": {
@@ -115,18 +116,8 @@ def with_stand_in_authentication(bootstrap: dict[str, Any], headers: list[str]) 
 
 def unstripped_identity_headers(bootstrap: dict[str, Any], headers: list[str]) -> list[str]:
     """The headers of `headers` that no early header mutation of `bootstrap` removes."""
-    removed = {
-        str(mutation.get("remove", "")).lower()
-        for manager in _connection_managers(bootstrap)
-        for extension in manager.get("early_header_mutation_extensions") or []
-        for mutation in (extension.get("typed_config") or {}).get("mutations") or []
-    }
+    removed = {header for manager in connection_managers(bootstrap) for header in removed_early(manager)}
     return [header for header in headers if header.lower() not in removed]
-
-
-def _connection_managers(bootstrap: dict[str, Any]) -> list[dict[str, Any]]:
-    return [f["typed_config"] for listener in bootstrap["static_resources"]["listeners"] for chain in listener["filter_chains"]
-            for f in chain["filters"] if f["name"] == "envoy.filters.network.http_connection_manager"]
 
 
 def write(bootstrap: dict[str, Any], path: Path) -> Path:

@@ -70,7 +70,7 @@ def check(config: Config, bootstrap: dict[str, Any], envoy_name: str = "envoy.ya
                 problems.append(f"provider {provider.name}: {what} {name!r} is not a cluster of {envoy_name} (its clusters: {known})")
         problems += _affinity_cluster_problems(provider, clusters, envoy_name)
     hashed = [p for p in config.providers if p.session_affinity is Affinity.SESSION_HASH]
-    managers = _connection_managers(bootstrap)
+    managers = connection_managers(bootstrap)
     if not managers:
         problems.append(f"{envoy_name}: no listener with an http_connection_manager")
     for manager in managers:
@@ -96,7 +96,9 @@ def check_files(config: Config, envoy_path: str | os.PathLike[str], addresses: b
     return check(config, load_bootstrap(envoy_path), str(envoy_path), addresses)
 
 
-def _connection_managers(bootstrap: dict[str, Any]) -> list[dict[str, Any]]:
+def connection_managers(bootstrap: dict[str, Any]) -> list[dict[str, Any]]:
+    """The typed configs of every http_connection_manager of the bootstrap's listeners (a
+    malformed shape yields none)."""
     managers = []
     for listener in _list(_dict(bootstrap.get("static_resources")).get("listeners")):
         for chain in _list(_dict(listener).get("filter_chains")):
@@ -138,7 +140,7 @@ def _routes(manager: dict[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
-def _removed_early(manager: dict[str, Any]) -> list[str]:
+def removed_early(manager: dict[str, Any]) -> list[str]:
     """The headers the early header mutation removes (lowercase)."""
     return [
         str(mutation.get("remove", "")).lower()
@@ -161,7 +163,7 @@ def _hash_policy_problems(header: str, provider: str, manager: dict[str, Any], e
                 f"{envoy_name}: the route with cluster_header has no hash_policy on {header!r} (server.affinity_header), so provider "
                 f"{provider}'s sessions would not keep their replica"
             )
-    if header.lower() not in _removed_early(manager):
+    if header.lower() not in removed_early(manager):
         problems.append(
             f"{envoy_name}: no early header mutation removes {header!r}, so a client could pick its replica "
             "(early_header_mutation_extensions: remove)"
@@ -179,7 +181,7 @@ def _header_problems(header: str, manager: dict[str, Any], envoy_name: str) -> l
     for name in cluster_headers:
         if str(name).lower() != header.lower():
             problems.append(f"{envoy_name}: the route's cluster_header is {name!r} but server.routing_header is {header!r}")
-    if header.lower() not in _removed_early(manager):
+    if header.lower() not in removed_early(manager):
         problems.append(
             f"{envoy_name}: no early header mutation removes {header!r}, so a client could choose the cluster "
             "(early_header_mutation_extensions: remove)"
@@ -193,7 +195,7 @@ def _identity_header_problems(config: Config, manager: dict[str, Any], envoy_nam
     is no identity source (the headers are then never read)."""
     if IdentitySource.TRUSTED_HEADER not in config.session.identity_sources:
         return []
-    removed = _removed_early(manager)
+    removed = removed_early(manager)
     return [
         f"{envoy_name}: no early header mutation removes {header!r} (session.trusted_identity_headers), so any client could "
         "claim an identity (early_header_mutation_extensions: remove; an authenticating filter then sets it)"
