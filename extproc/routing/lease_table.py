@@ -421,18 +421,27 @@ class LeaseTable:
 
     async def refresh_epoch(self, adopt_on_change: bool = True) -> str:
         """Read the routing state's epoch, writing a new one when there is none (Redis started
-        empty or lost its state). When it changed from the one last read (or this process knew
-        none but saw Redis fail), the epoch grace begins (module docstring); when it changed
-        (and `adopt_on_change`), every lease held is adopted. Raises RedisError."""
-        epoch, age = await self._read_epoch()
-        previous, self.epoch = self.epoch, epoch
+        empty or lost its state). The epoch grace (module docstring) begins when the epoch read
+        is younger than the grace and either this process knew an earlier state (another epoch,
+        or a failed Redis call) or the epoch says it was written after a loss: so a process
+        started just after Redis lost its state waits like the others, and a fleet starting on
+        a new Redis does not wait. An epoch written as a first state by a process that knew
+        none is marked as written after a loss by the first process that held an earlier one.
+        When the epoch changed (and `adopt_on_change`), every lease held is adopted. Raises
+        RedisError."""
+        previous = self.epoch
+        knew_state = previous is not None or bool(self.breaker.failures_seen)
+        epoch, age = await self._read_epoch(after_loss=knew_state)
         if previous == epoch:
             return epoch
-        if previous is not None or self.breaker.failures_seen:
-            grace = self.config.redis.epoch_grace
-            self._grace_until = max(self._grace_until, time.monotonic() + max(0.0, grace - age))
+        if previous is not None and not _written_after_loss(epoch):
+            epoch = await self._mark_written_after_loss(epoch)
+        self.epoch = epoch
+        remaining = max(0.0, self.config.redis.epoch_grace - age)
+        if (knew_state or _written_after_loss(epoch)) and remaining > 0:
+            self._grace_until = max(self._grace_until, time.monotonic() + remaining)
             log.warning("the routing state lost its state (new epoch, %.2f s old): managed pairs take no new admission for %.2f s",
-                        age, max(0.0, grace - age))
+                        age, remaining)
         if adopt_on_change and previous is not None:
             log.warning("adopting %d held leases into the new epoch", len(self._held))
             self._adoption_pending = True
@@ -440,24 +449,33 @@ class LeaseTable:
                 self._adoption_wanted.set()
         return epoch
 
-    async def _read_epoch(self) -> tuple[str, float]:
-        """The epoch (written SET NX as `<random hex>@<Redis time ms>` when there is none) and
-        its age in seconds by Redis time (0 when unknown). One round trip when the epoch is the
-        one last read, three when it is new. Raises RedisError."""
+    async def _read_epoch(self, after_loss: bool) -> tuple[str, float]:
+        """The epoch (written SET NX as `<random hex>@<Redis time ms>` when there is none, with
+        `:lost` appended when `after_loss`) and its age in seconds by Redis time (0 when
+        unknown). One round trip when the epoch is the one last read, three when it is new.
+        Raises RedisError."""
         redis = self.state.redis
         raw = await redis.get(self._epoch_key)
         if raw is not None and _text(raw) == self.epoch:
             return self.epoch, math.inf
         now_ms = await redis_time_ms(redis, self._epoch_key)
         if raw is None:
+            written = f"{uuid.uuid4().hex}@{now_ms}{_AFTER_LOSS if after_loss else ''}"
             async with redis.pipeline(transaction=True) as pipe:
-                pipe.set(self._epoch_key, f"{uuid.uuid4().hex}@{now_ms}", nx=True)
+                pipe.set(self._epoch_key, written, nx=True)
                 pipe.get(self._epoch_key)
                 _, raw = await pipe.execute()
         epoch = _text(raw)
-        created, _, rest = epoch.rpartition("@")
-        age = max(0.0, (now_ms - int(rest)) / 1000) if created and rest.isdigit() else 0.0
+        created_ms = _epoch_created_ms(epoch)
+        age = max(0.0, (now_ms - created_ms) / 1000) if created_ms is not None else 0.0
         return epoch, age
+
+    async def _mark_written_after_loss(self, epoch: str) -> str:
+        """Mark `epoch` (written by a process that knew no earlier state) as written after a
+        loss, unless it changed meanwhile; the epoch now in Redis. Its creation time stays, so
+        every process ends the grace at the same instant. Raises RedisError."""
+        raw = await self.state.redis.eval(_MARK_AFTER_LOSS, 1, self._epoch_key, epoch, epoch + _AFTER_LOSS)
+        return _text(raw) if raw is not None else epoch
 
     async def _adopt_into_new_epoch(self) -> None:
         """The adoption worker: after an epoch change, adopt every shared lease admitted under an
@@ -563,3 +581,21 @@ class LeaseTable:
 
 def _text(raw: bytes | str) -> str:
     return raw.decode() if isinstance(raw, bytes) else raw
+
+
+_AFTER_LOSS = ":lost"  # an epoch written by a process that knew an earlier state
+_MARK_AFTER_LOSS = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('SET', KEYS[1], ARGV[2]) end
+return redis.call('GET', KEYS[1])
+"""
+
+
+def _written_after_loss(epoch: str) -> bool:
+    return epoch.endswith(_AFTER_LOSS)
+
+
+def _epoch_created_ms(epoch: str) -> int | None:
+    """The creation time (Redis time, ms) an epoch `<hex>@<ms>[:lost]` carries; None if none."""
+    _, _, rest = epoch.partition("@")
+    created = rest.removesuffix(_AFTER_LOSS)
+    return int(created) if created.isdigit() else None

@@ -52,8 +52,8 @@ class Keyspace:
         return f"{self.tag(model)}:responses"
 
     def epoch(self) -> str:
-        """The routing state's epoch (``<uuid>@<Redis time, ms>``): a new one means Redis lost
-        the state."""
+        """The routing state's epoch (``<uuid>@<Redis time, ms>``, ``:lost`` appended when written
+        by an instance that knew an earlier state): a new one means Redis lost the state."""
         return f"{{{self.prefix}}}:epoch"
 
     def instances(self) -> str:

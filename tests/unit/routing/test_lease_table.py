@@ -242,3 +242,59 @@ async def test_a_local_lease_no_config_serves_does_not_keep_the_breaker_open(red
     table.end(served, succeeded=False)
     table.end(orphan, succeeded=False)
     await table.drain()
+
+
+async def test_a_process_started_just_after_redis_lost_its_state_waits_out_the_grace(redis_url, redis_client):
+    """Issue 20: a process that starts after Redis lost its state, and after a running process
+    wrote the new epoch, takes no managed admission until the grace ends, as the running one."""
+    running = make_table(redis_client, redis_url)
+    await running.refresh_epoch()
+    held = await running.decide(chat("s"))
+    await redis_client.flushall()
+    await running.refresh_epoch()  # the running process writes the new epoch, marked as after a loss
+    started = make_table(redis_client, redis_url)
+    await started.refresh_epoch()
+    assert started.rebuilding
+    outcome = await started.decide(chat("t"))
+    assert isinstance(outcome, Held) and outcome.decision.provider.name == "tensorx"
+    assert await wait_for(lambda: _is(live(redis_client, running), 1))  # the running lease, adopted
+    for table, ended in ((running, held), (started, outcome)):
+        table.end(ended, succeeded=True)
+        await table.drain()
+
+
+async def test_a_first_epoch_written_after_a_loss_is_marked_and_every_process_waits(redis_url, redis_client):
+    """Issue 20: when a newly started process is the first to see the emptied Redis, it writes the
+    epoch as a first state and admits; the first running process to see that epoch marks it as
+    written after a loss, and the new process's next decision finds the change: it abandons what
+    it admitted there and waits out the grace."""
+    running = make_table(redis_client, redis_url)
+    await running.refresh_epoch()
+    held = await running.decide(chat("s"))
+    await redis_client.flushall()
+    started = make_table(redis_client, redis_url)
+    await started.refresh_epoch()
+    assert not started.rebuilding  # nothing tells it yet that Redis had a state before
+    await running.refresh_epoch()
+    assert running.rebuilding and running.epoch.endswith(":lost")
+    outcome = await started.decide(chat("t"))
+    assert started.rebuilding and started.epoch == running.epoch
+    assert isinstance(outcome, Held) and outcome.decision.provider.name == "tensorx"
+    assert await wait_for(lambda: _is_zero(started.pending_abandonments))
+    assert await wait_for(lambda: _is(live(redis_client, running), 1))  # only the running lease
+    for table, ended in ((running, held), (started, outcome)):
+        table.end(ended, succeeded=True)
+        await table.drain()
+
+
+async def test_a_fleet_starting_on_a_new_redis_takes_no_grace(redis_url, redis_client):
+    """A first epoch written by a process that knew no earlier state starts no grace."""
+    tables = [make_table(redis_client, redis_url) for _ in range(2)]
+    for table in tables:
+        await table.refresh_epoch()
+        assert not table.rebuilding
+    outcomes = [await table.decide(chat(f"s{i}")) for i, table in enumerate(tables)]
+    assert all(isinstance(o, Held) and o.decision.provider.name.startswith("iris") for o in outcomes)
+    for table, held in zip(tables, outcomes):
+        table.end(held, succeeded=True)
+        await table.drain()
