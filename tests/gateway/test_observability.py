@@ -65,8 +65,11 @@ def fleet_gauges(gw, instance: int) -> dict[tuple[str, tuple], float]:
     return {key: value for key, value in scrape(gw, instance).items() if key[0].startswith(FLEET_GAUGES)}
 
 
+KINDS = {"iris-1": "managed", "iris-2": "managed", "tensorx": "unlimited"}
+
+
 def pair_value(gauges: dict, name: str, provider: str, model: str = MODEL) -> float | None:
-    return gauges.get((name, (("gen_ai_request_model", model), ("provider", provider))))
+    return gauges.get((name, (("gen_ai_request_model", model), ("kind", KINDS[provider]), ("provider", provider))))
 
 
 def redis_counts(gw, provider: str, model: str = MODEL) -> tuple[int, int]:
@@ -128,7 +131,7 @@ def test_gauges_agree_with_redis_and_the_providers_during_a_load(gw, capsys):
             assert pair_value(gauges, "iris_pinned_session_limit", name) == LIMITS["max_pinned_sessions"]
             assert pair_value(gauges, "iris_in_flight_request_reserved_slots", name) == 1
             assert provider_stats(gw, name)["max_in_flight_by_model"][MODEL] <= LIMITS["max_global_in_flight_request_slots"]
-            assert gauges[("iris_degraded", (("gen_ai_request_model", MODEL), ("provider", name), ("source", "health")))] == 0
+            assert gauges[("iris_degraded", (("gen_ai_request_model", MODEL), ("kind", "managed"), ("provider", name), ("source", "health")))] == 0
         assert pair_value(gauges, "iris_in_flight_request_limit", "tensorx") is None  # unlimited
         assert gauges[("iris_live_instances", ())] == INSTANCES and gauges[("iris_fleet_state_up", ())] == 1
 
@@ -165,7 +168,7 @@ def test_gauges_agree_with_redis_and_the_providers_during_a_load(gw, capsys):
 def test_a_drained_pair_shows_in_the_gauges_and_in_status(gw, capsys):
     config = str(gw.running[0].config_path)
     assert cli.main(["drain", "iris-2", "--config", config, "--reason", "kernel upgrade", "--ttl-seconds", "600"]) == 0
-    key = ("iris_degraded", (("gen_ai_request_model", MODEL), ("provider", "iris-2"), ("source", "manual")))
+    key = ("iris_degraded", (("gen_ai_request_model", MODEL), ("kind", "managed"), ("provider", "iris-2"), ("source", "manual")))
     assert wait_until(lambda: fleet_gauges(gw, 0)[key] == 1, BOUND)
     capsys.readouterr()
     assert cli.main(["status", "--config", config, "--json"]) == 0
