@@ -18,12 +18,15 @@ values combine (`multiprocess_mode`); counters and histograms are summed.
 
 from __future__ import annotations
 
+import os
 import platform
 from importlib import metadata
 
 from prometheus_client import Counter, Gauge, Histogram, disable_created_metrics
 
 disable_created_metrics()  # no `_created` series beside every counter: half the series, nothing lost
+if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):  # prometheus-client writes there from the first metric on
+    os.makedirs(os.environ["PROMETHEUS_MULTIPROC_DIR"], exist_ok=True)
 
 MODEL = "gen_ai_request_model"
 KIND = "kind"
