@@ -1,15 +1,18 @@
 """`serve --workers 2` behind one metrics port (issue 22): a real Prometheus scraping only
 `server.metrics_listen` sees every decision of both workers counted once, the fleet gauges once,
-the build info once; both workers' log lines are JSON (IRIS_LOG_FORMAT=json) naming the worker."""
+the build info once, and evaluates every shipped alert rule (deploy/prometheus/alerts.yaml)
+without error; both workers' log lines are JSON (IRIS_LOG_FORMAT=json) naming the worker."""
 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import httpx
 import pytest
 import redis
+import yaml
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from irislab.local_gateway import LocalGateway, ProviderSimulation
@@ -17,6 +20,7 @@ from tests.gateway.test_workers import children
 from tests.support.gateway import chat_body, gateway_config, wait_until
 from tests.support.prometheus import Prometheus, prometheus_binary
 
+ALERTS = Path(__file__).resolve().parents[2] / "deploy" / "prometheus" / "alerts.yaml"
 BOUND = 30.0  # seconds: a generous bound for conditions that normally hold within a few seconds
 ENVOY_THREADS = 8  # each Envoy thread opens its own ext_proc connection, which SO_REUSEPORT gives a worker
 
@@ -44,7 +48,8 @@ def test_prometheus_counts_each_decision_of_two_workers_once_through_one_port(tm
         assert wait_until(lambda: client.zcard("{e2e}:instances") == 2, within_seconds=BOUND)
         workers = children(instance.extproc.pid)
         assert len(workers) == 2
-        prometheus = Prometheus(binary, tmp_path / "prometheus", [f"127.0.0.1:{instance.metrics_port}"], interval_seconds=0.5)
+        prometheus = Prometheus(binary, tmp_path / "prometheus", [f"127.0.0.1:{instance.metrics_port}"], interval_seconds=0.5,
+                                rule_files=[ALERTS])
         try:
             sent = 0
 
@@ -76,6 +81,27 @@ def test_prometheus_counts_each_decision_of_two_workers_once_through_one_port(tm
             pairs = sum(len(gateway.config.providers_for(model)) for model in gateway.config.models())
             assert scraped("count(iris_in_flight_requests)") == pairs  # each pair once, not once per worker
             assert scraped("sum(iris_lease_renewals_total)") is not None
+
+            # Every alert rule evaluates against the live series without error; nothing critical
+            # holds, and the third-party share (decisions with kind="unlimited": past the own
+            # providers' pin limits every new session goes there) is on its way to firing.
+            def evaluated() -> list[dict] | None:
+                rules = prometheus.rules()
+                return rules if rules and all(r["health"] == "ok" and r["evaluationTime"] > 0 for r in rules) else None
+
+            rules = wait_until(evaluated, BOUND)
+            assert rules, prometheus.rules()
+            assert {r["name"] for r in rules} == {r["alert"] for g in yaml.safe_load(ALERTS.read_text())["groups"] for r in g["rules"]}
+            state = {r["name"]: r["state"] for r in rules}
+            assert state["IrisExtprocMetricsAbsent"] == state["IrisRedisBreakerOpen"] == "inactive"
+
+            def unlimited_share_pending() -> bool:
+                response = httpx.post(f"{instance.url}/v1/chat/completions", json=chat_body("hi", max_tokens=2),
+                                      headers={"x-user-id": f"later-{time.monotonic()}"}, timeout=30)
+                assert response.headers["x-iris-provider"] == "tensorx"
+                return {r["name"]: r for r in prometheus.rules()}["IrisUnlimitedShareHigh"]["state"] == "pending"
+
+            assert wait_until(unlimited_share_pending, BOUND, 0.2), prometheus.query("sum by (kind) (rate(iris_routing_decisions_total[15m]))")
         finally:
             prometheus.stop()
         # Worker 0 alone serves metrics: the port after it is not a second endpoint.
