@@ -85,7 +85,7 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     extproc_args = ["--workers", str(args.workers)] if args.workers > 1 else []
     with LocalGateway(config_data=config, simulations=sims, work_dir=work / "gateway", extproc_args=extproc_args,
                       envoy_concurrency=args.envoy_concurrency) as gateway:
-        metrics_url = gateway.running[0].metrics_url  # worker 0's with --workers
+        metrics_url = gateway.running[0].metrics_url  # every worker's, merged, with --workers
         upstream = gateway.providers["iris-1"].port
         bootstrap = plain_envoy_bootstrap(free_port(), free_port(), {"iris-1": upstream}, target_cluster="iris-1")
         started: list[ManagedProcess] = [start_envoy(bootstrap, work, "envoy-plain")]

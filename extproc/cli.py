@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -23,6 +24,7 @@ from pathlib import Path
 from extproc.config import Config, ConfigError, ProviderKind, envoy_check, load_config
 from extproc.config.envoy_check import EnvoyConfigError
 from extproc.config.examples import envoy_yaml
+from extproc.operations import logs
 from extproc.routing.degraded import DEFAULT_MANUAL_TTL_SECONDS, MANUAL, DegradedFlags
 from extproc.storage.client import REDIS_FAILURES, open_redis
 
@@ -34,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     configuration or Envoy file that is missing, unreadable, invalid or in disagreement at start.
     Such errors are printed without a traceback (a bad routing config: one line per problem)."""
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.configure(args.log_level, args.log_format, worker=getattr(args, "worker_index", None))
     return run_command("iris-extproc", args.func, args)
 
 
@@ -75,6 +77,8 @@ def check_pair(config: Config, config_path: str, envoy_path: str) -> None:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="iris-extproc", description=__doc__.split("\n")[1].strip())
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--log-format", type=logs.log_format, default=os.environ.get(logs.FORMAT_ENV, "text"), metavar="{text,json}",
+                        help=f"one line of text or one JSON object per record (default: ${logs.FORMAT_ENV}, else text)")
     commands = parser.add_subparsers(required=True, dest="command")
 
     serve = commands.add_parser("serve", help="run the ext_proc gRPC server")
@@ -130,7 +134,11 @@ def _serve(args) -> int:
             except PairDisagrees as exc:
                 print(f"iris-extproc: {exc}", file=sys.stderr)
                 return 2
-        return supervise(worker_command(args.config, args.event_loop, args.log_level, args.envoy), args.workers)
+        return supervise(worker_command(args.config, args.event_loop, args.log_level, args.envoy, args.log_format), args.workers)
+    if args.worker_index is None:  # a server alone: multiprocess metric files an earlier run left are not its own
+        from extproc.operations.workers import clear_stale_metrics
+
+        clear_stale_metrics()
     adjust = None
     if args.worker_index:
         from functools import partial

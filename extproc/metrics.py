@@ -6,21 +6,33 @@ Redis errors, lease renewals, health checks...), updated on the event loop. The 
 state (in-flight leases and pins against the limits, degraded flags, live instances) is read from
 Redis at scrape time by extproc.operations.exporter.
 
-Labels: `provider` is the routing config's provider name; `gen_ai_request_model` the model the
-client asked for (OpenTelemetry GenAI's `gen_ai.request.model`: a configured model name, never
-free text from a request). No user or session label.
+Labels: `provider` is the routing config's provider name and `kind` its kind (`managed`: our own,
+`unlimited`: a third party); `gen_ai_request_model` the model the client asked for (OpenTelemetry
+GenAI's `gen_ai.request.model`: a configured model name, never free text from a request). No user
+or session label.
+
+Several worker processes (`serve --workers N`) write these to prometheus-client's multiprocess
+files (PROMETHEUS_MULTIPROC_DIR, extproc.operations.workers); each gauge says how its workers'
+values combine (`multiprocess_mode`); counters and histograms are summed.
 """
 
 from __future__ import annotations
 
+import os
+import platform
+from importlib import metadata
+
 from prometheus_client import Counter, Gauge, Histogram, disable_created_metrics
 
 disable_created_metrics()  # no `_created` series beside every counter: half the series, nothing lost
+if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):  # prometheus-client writes there from the first metric on
+    os.makedirs(os.environ["PROMETHEUS_MULTIPROC_DIR"], exist_ok=True)
 
 MODEL = "gen_ai_request_model"
+KIND = "kind"
 
 DECISIONS = Counter(
-    "iris_routing_decisions_total", "Requests routed, by provider, model and reason", ["provider", MODEL, "reason"]
+    "iris_routing_decisions_total", "Requests routed, by provider, its kind, model and reason", ["provider", KIND, MODEL, "reason"]
 )
 REJECTIONS = Counter(
     "iris_rejections_total", "Requests answered by the router itself, by the error code sent and model", ["code", MODEL]
@@ -35,7 +47,10 @@ CHAINS_RECORDED = Counter("iris_response_chains_recorded_total", "Responses API 
 CHAINS_CAPPED = Counter(
     "iris_response_chains_capped_total", "Responses API response ids not recorded: the model's chain records were at session.max_response_chains"
 )
-LOCAL_LEASES = Gauge("iris_local_leases", "Request leases held in this process only (granted during a Redis outage, not yet adopted)")
+LOCAL_LEASES = Gauge(
+    "iris_local_leases", "Request leases held in this process only (granted during a Redis outage, not yet adopted)",
+    multiprocess_mode="livesum",
+)
 ADMISSIONS_NOT_REPLICATED = Counter(
     "iris_admissions_not_replicated_total",
     "Admissions answered without redis.durable_admissions.replicas replicas acknowledging them within timeout_ms",
@@ -48,7 +63,9 @@ LEASE_RENEWALS = Counter(
 )
 RELEASE_RETRIES = Counter("iris_lease_release_retries_total", "Lease releases retried after a Redis error")
 REDIS_ERRORS = Counter("iris_redis_errors_total", "Redis commands that failed, by what this process was doing", ["operation"])
-REDIS_BREAKER_OPEN = Gauge("iris_redis_breaker_open", "1 while the Redis circuit breaker is open (decisions use the outage policy)")
+REDIS_BREAKER_OPEN = Gauge(
+    "iris_redis_breaker_open", "1 while the Redis circuit breaker is open (decisions use the outage policy)", multiprocess_mode="livemax"
+)
 DECISION_SECONDS = Histogram(
     "iris_decision_duration_seconds",
     "Time to decide a request's provider (seconds), Redis round trips included",
@@ -58,14 +75,20 @@ CONFIG_RELOADS = Counter(
     "iris_config_reloads_total", "Reloads of the routing config (SIGHUP or a change of the file), by result: success, failure", ["result"]
 )
 CONFIG_LAST_SUCCESS = Gauge(
-    "iris_config_last_reload_success_timestamp_seconds", "Unix time (seconds) the running routing config was loaded (start-up included)"
+    "iris_config_last_reload_success_timestamp_seconds",
+    "Unix time (seconds) the running routing config was loaded (start-up included); of several workers, the oldest",
+    multiprocess_mode="livemin",
+)
+BUILD_INFO = Gauge(
+    "iris_build_info", "1, labelled with the versions running: this package, Python, grpcio, redis-py",
+    ["version", "python", "grpcio", "redis_py"], multiprocess_mode="livemax",
 )
 
 
 # Health, load and passive checks (extproc.operations.health).
 HEALTH_CHECKS = Counter("iris_health_checks_total", "Active health checks, by provider and result", ["provider", "result"])
 UPSTREAM_FAILURES = Counter(
-    "iris_upstream_failures_total", "Upstream failures seen by the passive check, by provider and model", ["provider", "model"]
+    "iris_upstream_failures_total", "Upstream failures seen by the passive check, by provider and model", ["provider", MODEL]
 )
 DEGRADATIONS = Counter(
     "iris_automatic_degradations_total", "Times this instance marked a pair degraded, by source", ["provider", "source"]
@@ -78,8 +101,8 @@ FAILURES_DROPPED = Counter(
 # The routing core (extproc.routing).
 PIN_CAP_REACHED = Counter(
     "iris_pin_cap_reached_total",
-    "New pins refused by max_pinned_sessions_unlimited (the request was served without a pin), by provider and model",
-    ["provider", "model"],
+    "New pins refused by max_pinned_sessions_unlimited (the request was served without a pin), by provider, its kind and model",
+    ["provider", KIND, MODEL],
 )
 
 # Supervised background loops (extproc.supervision).
@@ -96,6 +119,16 @@ for _operation in ("decision", "renew", "release", "heartbeat", "fleet_state"):
     REDIS_ERRORS.labels(_operation)
 for _result in ("success", "failure"):
     CONFIG_RELOADS.labels(_result)
+
+
+def _version(distribution: str) -> str:
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return ""
+
+
+BUILD_INFO.labels(_version("iris-extproc"), platform.python_version(), _version("grpcio"), _version("redis")).set(1)
 
 
 def model_label(model: str, configured: frozenset[str] | set[str]) -> str:

@@ -28,7 +28,6 @@ from irislab.processes import (
     StartedTogether,
     envoy_binary,
     free_port,
-    free_ports_in_a_row,
     spawn,
     start_redis,
     wait_for_port,
@@ -284,15 +283,10 @@ class LocalGateway(StartedTogether):
             providers.append(entry)
         return providers
 
-    def _workers(self) -> int:
-        """The `--workers` count among `extproc_args` (1 without it): each worker needs its own metrics port."""
-        args = self.extproc_args
-        return int(args[args.index("--workers") + 1]) if "--workers" in args else 1
-
     def _extproc_config(self, name: str, data: dict[str, Any]) -> tuple[Path, int, int]:
         """The routing config of ext_proc server `name` (its health checks say so:
         `?client=<name>`) on free gRPC and metrics ports: (its path, grpc port, metrics port)."""
-        grpc_port, metrics_port = free_port(), free_ports_in_a_row(self._workers())
+        grpc_port, metrics_port = free_port(), free_port()  # one metrics port, whatever `--workers` says
         config = dict(data)
         config["redis"] = {**data.get("redis", {})}
         if self.redis_url is not None:

@@ -28,30 +28,6 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def free_ports_in_a_row(count: int, attempts: int = 200) -> int:
-    """The first of `count` consecutive TCP ports on 127.0.0.1 that were all free a moment ago
-    (below the kernel's ephemeral range, so outgoing connections do not take them meanwhile).
-    For `serve --workers N`, whose worker i serves metrics on the base port + i. Raises
-    RuntimeError when no such run is found."""
-    import random
-
-    for _ in range(attempts):
-        base = random.randrange(20000, 30000 - count)
-        sockets = []
-        try:
-            for port in range(base, base + count):
-                sock = socket.socket()
-                sockets.append(sock)
-                sock.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in sockets:
-                sock.close()
-    raise RuntimeError(f"no {count} free consecutive ports on 127.0.0.1")
-
-
 def wait_for_port(port: int, timeout_seconds: float = 20.0, process: subprocess.Popen | None = None) -> None:
     """Block until something accepts TCP connections on 127.0.0.1:port.
 

@@ -2,25 +2,42 @@
 state, read from Redis when Prometheus scrapes (`FleetCollector`, in the metrics server's thread,
 cached for about a second). Every instance reports the same fleet-wide values: aggregate them with
 `max`, never `sum`.
+
+With PROMETHEUS_MULTIPROC_DIR set (`serve --workers N` sets it: extproc.operations.workers) the
+processes of one server write their metrics to files there and one endpoint serves them all
+(prometheus-client's MultiProcessCollector: counters and histograms summed over the workers, each
+gauge combined as its `multiprocess_mode` says), with the fleet collector of the one process that
+serves it, so each decision is counted once and each fleet gauge read once per scrape. The gauges
+read from a function at scrape time in a single process (`track_process_gauges`) are written to
+the files once a second instead.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+import os
+from collections.abc import Awaitable, Callable, Iterator
 
-from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
+from prometheus_client import REGISTRY, CollectorRegistry, multiprocess, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from extproc.metrics import MODEL, REDIS_BREAKER_OPEN, REDIS_ERRORS
+from extproc.metrics import KIND, LOCAL_LEASES, MODEL, REDIS_BREAKER_OPEN, REDIS_ERRORS
 from extproc.operations.fleet_state import CachedFleetState, FleetState
 from extproc.routing.degraded import SOURCES
 from extproc.storage.client import REDIS_FAILURES
 
 log = logging.getLogger(__name__)
 
-_PAIR = ["provider", MODEL]
+_PAIR = ["provider", KIND, MODEL]
+MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
+SAMPLE_SECONDS = 1.0  # how often a worker writes its function-read gauges to its multiprocess files
+
+
+def multiprocess_dir() -> str | None:
+    """The multiprocess directory this process writes its metrics to (PROMETHEUS_MULTIPROC_DIR,
+    read by prometheus-client when it is first imported), or None: metrics live in memory."""
+    return os.environ.get(MULTIPROC_DIR_ENV) or None
 
 
 class FleetCollector(Collector):
@@ -75,7 +92,7 @@ class FleetCollector(Collector):
     def _fill(self, families: list[GaugeMetricFamily], state: FleetState) -> None:
         in_flight, limit, reserved, pins, pin_limit, degraded, instances, read_seconds = families
         for pair in state.pairs:
-            labels = [pair.provider, pair.model]
+            labels = [pair.provider, pair.kind, pair.model]
             in_flight.add_metric(labels, pair.in_flight)
             pins.add_metric(labels, pair.pins)
             if pair.in_flight_limit is not None:
@@ -91,16 +108,40 @@ class FleetCollector(Collector):
         read_seconds.add_metric([], self.fleet.last_read_seconds)
 
 
-def start_metrics_server(
-    listen: str, fleet: CachedFleetState | None = None, breaker_open: Callable[[], bool] | None = None,
-    registry: CollectorRegistry = REGISTRY,
-):
-    """Serve /metrics on `listen` ("host:port") from a background thread, with the fleet
-    collector when `fleet` is given and the breaker gauge read from `breaker_open`. Returns
-    prometheus-client's (server, thread); `server.shutdown()` stops it."""
+def track_process_gauges(breaker_open: Callable[[], bool], local_leases: Callable[[], int]) -> Callable[[], Awaitable[None]] | None:
+    """Report this process's Redis breaker state and local lease count. In memory they are read
+    at scrape time and None is returned; with multiprocess files the step returned writes them
+    there, for `run_every(..., SAMPLE_SECONDS)` (a scrape may see them up to that old)."""
+    if multiprocess_dir() is None:
+        REDIS_BREAKER_OPEN.set_function(lambda: 1.0 if breaker_open() else 0.0)
+        LOCAL_LEASES.set_function(local_leases)
+        return None
+
+    async def sample() -> None:
+        REDIS_BREAKER_OPEN.set(1.0 if breaker_open() else 0.0)
+        LOCAL_LEASES.set(local_leases())
+
+    return sample
+
+
+def metrics_registry(fleet: CachedFleetState | None = None) -> CollectorRegistry:
+    """What /metrics serves: this process's registry (the default one, with prometheus-client's
+    `process_*` and `python_*` series), or with multiprocess files a registry merging every
+    process's files (no `process_*`/`python_*`: prometheus-client does not merge those); plus the
+    fleet collector when `fleet` is given."""
+    directory = multiprocess_dir()
+    if directory is None:
+        registry = REGISTRY
+    else:
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry, path=directory)
     if fleet is not None:
         registry.register(FleetCollector(fleet))
-    if breaker_open is not None:
-        REDIS_BREAKER_OPEN.set_function(lambda: 1.0 if breaker_open() else 0.0)
+    return registry
+
+
+def start_metrics_server(listen: str, registry: CollectorRegistry):
+    """Serve `registry` (see `metrics_registry`) on http://`listen`/metrics ("host:port") from a
+    background thread. Returns prometheus-client's (server, thread); `server.shutdown()` stops it."""
     host, _, port = listen.rpartition(":")
     return start_http_server(int(port), addr=host or "127.0.0.1", registry=registry)

@@ -106,6 +106,9 @@ class Gateway:
             asyncio.create_task(run_every("heartbeat", self._heartbeat_once, redis.instance_heartbeat_seconds)),
             asyncio.create_task(run_every("redis_probe", self._probe_once, redis.probe_interval_seconds)),
         ]
+        sample = exporter.track_process_gauges(lambda: self.breaker.is_open, lambda: self.leases.local_leases)
+        if sample is not None:  # several workers: their files, written once a second
+            self._background.append(asyncio.create_task(run_every("metrics_sample", sample, exporter.SAMPLE_SECONDS)))
         self.health.start()
         for service in HEALTH_SERVICES:
             await self.serving.set(service, health_pb2.HealthCheckResponse.SERVING)
@@ -240,7 +243,7 @@ async def _serve_started(
         gateway.fleet_reader = FleetStateReader(config, gateway.redis)
         read = on_loop(gateway.fleet_reader, loop, 2 * config.redis.socket_timeout_seconds + 1)
         fleet = CachedFleetState(read)
-        metrics_server, _ = exporter.start_metrics_server(config.server.metrics_listen, fleet, lambda: gateway.breaker.is_open)
+        metrics_server, _ = exporter.start_metrics_server(config.server.metrics_listen, exporter.metrics_registry(fleet))
         log.info("metrics on http://%s/metrics", config.server.metrics_listen)
     await stop.wait()
     if watcher is not None:

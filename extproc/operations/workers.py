@@ -11,17 +11,25 @@ already started get SIGTERM, and the supervisor exits once they have.
 A worker that exits on its own stops the others: the supervisor then exits with its code (or 1),
 so the process manager (Kubernetes, systemd) restarts the whole set.
 
-With `server.metrics_listen` at host:P, worker i serves its metrics on host:P+i (`worker_config`;
-a reload applies the same adjustment to the file's config before comparing it with the running one).
+Metrics: one endpoint for the whole set. The workers write their metrics to prometheus-client's
+multiprocess files in PROMETHEUS_MULTIPROC_DIR (the operator's directory, emptied at start, else
+a temporary one removed at exit), and worker 0 alone serves `server.metrics_listen`, merging
+every worker's files (extproc.operations.exporter); a worker that exits is marked dead there, so
+its `live*` gauges leave the merge. `worker_config` gives worker i > 0 no metrics listener (a reload
+applies the same adjustment to the file's config before comparing it with the running one).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -30,21 +38,55 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 POLL_SECONDS = 0.1
-
-
-def worker_metrics_listen(listen: str, index: int) -> str:
-    """host:port of worker `index`'s metrics: `listen`'s port plus the index."""
-    host, port = listen.rsplit(":", 1)
-    return f"{host}:{int(port) + index}"
+MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus-client's name for it
 
 
 def worker_config(config: Config, index: int) -> Config:
-    """`config` as worker `index` runs it: its `server.metrics_listen` moved to that port plus the
-    index (worker_metrics_listen); the same config for worker 0 or without metrics."""
+    """`config` as worker `index` runs it: worker 0 serves the metrics of every worker on
+    `server.metrics_listen`, the others serve none (their `metrics_listen` is None)."""
     if not index or not config.server.metrics_listen:
         return config
-    server = config.server.model_copy(update={"metrics_listen": worker_metrics_listen(config.server.metrics_listen, index)})
+    server = config.server.model_copy(update={"metrics_listen": None})
     return config.model_copy(update={"server": server})
+
+
+def clear_metrics_dir(directory: str | Path, keep_pid: int | None = None) -> int:
+    """Remove the multiprocess metric files (`*.db`) in `directory` but those of process
+    `keep_pid` (its own, already open): left by an earlier run, they would be merged into this
+    one's (prometheus-client: the directory must be emptied between runs). Returns how many."""
+    removed = 0
+    for path in Path(directory).glob("*.db"):
+        if keep_pid is not None and path.stem.rsplit("_", 1)[-1] == str(keep_pid):
+            continue
+        path.unlink(missing_ok=True)
+        removed += 1
+    return removed
+
+
+def clear_stale_metrics() -> None:
+    """For a server running alone with PROMETHEUS_MULTIPROC_DIR set: remove the files there of
+    every other process (an earlier run's)."""
+    given = os.environ.get(MULTIPROC_DIR_ENV)
+    if given and Path(given).is_dir():
+        clear_metrics_dir(given, keep_pid=os.getpid())
+
+
+def _metrics_dir() -> tuple[str, bool]:
+    """(the workers' multiprocess directory, whether this supervisor made it): the operator's
+    PROMETHEUS_MULTIPROC_DIR emptied, else a new temporary directory."""
+    given = os.environ.get(MULTIPROC_DIR_ENV)
+    if given:
+        Path(given).mkdir(parents=True, exist_ok=True)
+        clear_metrics_dir(given)
+        return given, False
+    return tempfile.mkdtemp(prefix="iris-extproc-metrics-"), True
+
+
+def _mark_dead(pid: int, directory: str) -> None:
+    """Drop worker `pid`'s `live*` gauge files from the merge (prometheus-client)."""
+    from prometheus_client import multiprocess
+
+    multiprocess.mark_process_dead(pid, directory)
 
 
 def supervise(worker_argv: list[str], workers: int) -> int:
@@ -56,6 +98,15 @@ def supervise(worker_argv: list[str], workers: int) -> int:
     its Popen returns), and the supervisor returns once all of them have exited."""
     stopping = False
     children: list[subprocess.Popen] = []
+    metrics_dir, made = _metrics_dir()
+    env = {**os.environ, MULTIPROC_DIR_ENV: metrics_dir}
+    marked: set[int] = set()
+
+    def mark_ended() -> None:
+        for child in children:
+            if child.returncode is not None and child.pid not in marked:
+                marked.add(child.pid)
+                _mark_dead(child.pid, metrics_dir)
 
     def stop(signum, _frame) -> None:
         nonlocal stopping
@@ -75,7 +126,7 @@ def supervise(worker_argv: list[str], workers: int) -> int:
         for index in range(workers):
             if stopping:
                 break
-            child = subprocess.Popen([*worker_argv, "--worker-index", str(index)])
+            child = subprocess.Popen([*worker_argv, "--worker-index", str(index)], env=env)
             children.append(child)
             # A signal handled while Popen was starting this child found it not yet in `children`
             # and did not signal it: do it now. (Handled between the append and this line, it did,
@@ -88,6 +139,7 @@ def supervise(worker_argv: list[str], workers: int) -> int:
             log.info("supervising %d ext_proc workers: pids %s", workers, [c.pid for c in children])
         failed: int | None = None
         while any(c.poll() is None for c in children):
+            mark_ended()
             if not stopping:
                 ended = [c for c in children if c.returncode is not None]
                 if ended:
@@ -102,9 +154,11 @@ def supervise(worker_argv: list[str], workers: int) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if made:
+            shutil.rmtree(metrics_dir, ignore_errors=True)
 
 
-def worker_command(config_path: str, event_loop: str, log_level: str, envoy_path: str | None = None) -> list[str]:
+def worker_command(config_path: str, event_loop: str, log_level: str, envoy_path: str | None = None, log_format: str = "text") -> list[str]:
     """The command line of one worker (without its index); `envoy_path`: its `--envoy`."""
-    return [sys.executable, "-m", "extproc.cli", "--log-level", log_level, "serve", "--config", config_path,
+    return [sys.executable, "-m", "extproc.cli", "--log-level", log_level, "--log-format", log_format, "serve", "--config", config_path,
             "--event-loop", event_loop, *(["--envoy", envoy_path] if envoy_path else [])]

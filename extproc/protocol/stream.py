@@ -209,7 +209,7 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
         stream.held, stream.decision = outcome, outcome.decision
         outcome.on_lost = asyncio.current_task().cancel  # this stream's task: a lost lease cancels it
         decision = outcome.decision
-        metrics.DECISIONS.labels(decision.provider.name, parsed.model, decision.reason.value).inc()
+        metrics.DECISIONS.labels(decision.provider.name, decision.provider.kind.value, parsed.model, decision.reason.value).inc()
         stream.model = parsed.model
         change = live.adapter.adapt(decision.provider, parsed.model, parsed.body, routing_request.session_id)
         metadata = {"provider": decision.provider.name, "reason": decision.reason.value, "decision_ms": decision_ms}

@@ -132,7 +132,6 @@ class LeaseTable:
         self._adoption_wanted: asyncio.Event | None = None  # set when the epoch changed: the adoption worker runs
         self._adoption_pending = False  # leases admitted under an earlier epoch are not all adopted yet
         self._releases: set[asyncio.Task] = set()
-        metrics.LOCAL_LEASES.set_function(lambda: self.local_leases)
 
     def reconfigure(self, config: Config, state: RoutingState, router: Router) -> None:
         """Decide with a reloaded config from now on (extproc.operations.reload). Every lease held keeps

@@ -272,7 +272,7 @@ class Router:
         """Whether `admission` refused a new pin because of max_pinned_sessions_unlimited."""
         capped = admission.result is Result.PIN_LIMIT_REACHED and self.config.pin_limit(provider, model)[1]
         if capped:
-            metrics.PIN_CAP_REACHED.labels(provider.name, model).inc()
+            metrics.PIN_CAP_REACHED.labels(provider.name, provider.kind.value, model).inc()
         return capped
 
     def _supports(self, provider: Provider, request: RoutingRequest) -> bool:

@@ -6,6 +6,7 @@ Prometheus scraping the gateway under load. Two proxy instances share one Redis.
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -65,8 +66,11 @@ def fleet_gauges(gw, instance: int) -> dict[tuple[str, tuple], float]:
     return {key: value for key, value in scrape(gw, instance).items() if key[0].startswith(FLEET_GAUGES)}
 
 
+KINDS = {"iris-1": "managed", "iris-2": "managed", "tensorx": "unlimited"}
+
+
 def pair_value(gauges: dict, name: str, provider: str, model: str = MODEL) -> float | None:
-    return gauges.get((name, (("gen_ai_request_model", model), ("provider", provider))))
+    return gauges.get((name, (("gen_ai_request_model", model), ("kind", KINDS[provider]), ("provider", provider))))
 
 
 def redis_counts(gw, provider: str, model: str = MODEL) -> tuple[int, int]:
@@ -128,7 +132,7 @@ def test_gauges_agree_with_redis_and_the_providers_during_a_load(gw, capsys):
             assert pair_value(gauges, "iris_pinned_session_limit", name) == LIMITS["max_pinned_sessions"]
             assert pair_value(gauges, "iris_in_flight_request_reserved_slots", name) == 1
             assert provider_stats(gw, name)["max_in_flight_by_model"][MODEL] <= LIMITS["max_global_in_flight_request_slots"]
-            assert gauges[("iris_degraded", (("gen_ai_request_model", MODEL), ("provider", name), ("source", "health")))] == 0
+            assert gauges[("iris_degraded", (("gen_ai_request_model", MODEL), ("kind", "managed"), ("provider", name), ("source", "health")))] == 0
         assert pair_value(gauges, "iris_in_flight_request_limit", "tensorx") is None  # unlimited
         assert gauges[("iris_live_instances", ())] == INSTANCES and gauges[("iris_fleet_state_up", ())] == 1
 
@@ -165,7 +169,7 @@ def test_gauges_agree_with_redis_and_the_providers_during_a_load(gw, capsys):
 def test_a_drained_pair_shows_in_the_gauges_and_in_status(gw, capsys):
     config = str(gw.running[0].config_path)
     assert cli.main(["drain", "iris-2", "--config", config, "--reason", "kernel upgrade", "--ttl-seconds", "600"]) == 0
-    key = ("iris_degraded", (("gen_ai_request_model", MODEL), ("provider", "iris-2"), ("source", "manual")))
+    key = ("iris_degraded", (("gen_ai_request_model", MODEL), ("kind", "managed"), ("provider", "iris-2"), ("source", "manual")))
     assert wait_until(lambda: fleet_gauges(gw, 0)[key] == 1, BOUND)
     capsys.readouterr()
     assert cli.main(["status", "--config", config, "--json"]) == 0
@@ -235,11 +239,33 @@ def test_status_without_a_reachable_redis_is_one_line_without_a_traceback(tmp_pa
         silent.close()
 
 
+def dashboard_variables() -> dict[str, dict]:
+    """The dashboard's variables other than the data source, by name."""
+    return {v["name"]: v for v in json.loads(DASHBOARD.read_text())["templating"]["list"] if v["type"] != "datasource"}
+
+
+def test_dashboard_variables_are_label_values_of_exported_metrics():
+    """No text box to fill in by hand (issue 22): each variable lists a label's values from
+    Prometheus, with "All" sent as `.*`."""
+    variables = dashboard_variables()
+    assert set(variables) == {"provider", "model"}
+    for variable in variables.values():
+        assert variable["type"] == "query" and variable["includeAll"] and variable["allValue"] == ".*"
+        assert re.fullmatch(r"label_values\(iris_[a-z_]+(\{[^}]*\})?, [a-z_]+\)", variable["query"]["query"]), variable
+        assert variable["definition"] == variable["query"]["query"]
+
+
+def label_values_query(query: str) -> tuple[str, str]:
+    """`label_values(selector, label)` -> (selector, label)."""
+    selector, label = re.fullmatch(r"label_values\((.+), ([a-z_]+)\)", query).groups()
+    return selector, label
+
+
 def dashboard_queries() -> list[tuple[str, str]]:
     """(panel title, PromQL) of every target of the dashboard, with Grafana's variables replaced
-    by what Grafana would send (the textbox variables' defaults, a 1 m rate interval)."""
+    by what Grafana would send (each variable's "All", a 1 m rate interval)."""
     dashboard = json.loads(DASHBOARD.read_text())
-    variables = {v["name"]: v["query"] for v in dashboard["templating"]["list"] if v["type"] == "textbox"}
+    variables = {name: v["allValue"] for name, v in dashboard_variables().items()}
     queries = []
     for panel in dashboard["panels"]:
         for target in panel.get("targets", []):
@@ -277,6 +303,12 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(gw, tmp_path)
             assert wait_until(every_query_has_data, 45, 0.2), [
                 (title, expr) for title, expr in queries if not prometheus.query(expr)
             ]
+            # Each variable's list, as Grafana asks Prometheus for it, names what the gateway serves.
+            for name, variable in dashboard_variables().items():
+                selector, label = label_values_query(variable["query"]["query"].replace("$provider", ".*"))
+                answer = httpx.get(f"{prometheus.url}/api/v1/label/{label}/values", params={"match[]": selector}, timeout=10).json()
+                expected = {"provider": set(gw.providers), "model": {MODEL, "solo"}}[name]
+                assert expected <= set(answer["data"]), (name, answer)
             in_flight = prometheus.query('max by (provider) (iris_in_flight_requests{gen_ai_request_model="%s"})' % MODEL)
             assert {r["metric"]["provider"]: float(r["value"][1]) for r in in_flight}["iris-1"] <= LIMITS["max_global_in_flight_request_slots"]
     finally:

@@ -159,3 +159,53 @@ def test_istio_envoy_filter_carries_envoy_yaml_ext_proc_settings():
     port = service["spec"]["ports"][0]["port"]
     assert ours["grpc_service"]["envoy_grpc"]["cluster_name"] == \
         f"outbound|{port}||{service['metadata']['name']}.{kustomization()['namespace']}.svc.cluster.local"
+
+
+MONITORING = DEPLOY / "monitoring"
+
+
+def monitoring_resources() -> dict[str, dict]:
+    """The resources of deploy/kubernetes/monitoring's kustomization, by kind."""
+    monitoring = yaml.safe_load((MONITORING / "kustomization.yaml").read_text())
+    assert monitoring["namespace"] == kustomization()["namespace"]
+    found = {doc["kind"]: doc for name in monitoring["resources"] for doc in documents(MONITORING / name)}
+    assert set(found) == {"ServiceMonitor", "PrometheusRule"}
+    return found
+
+
+@pytest.mark.parametrize("kind", ["ServiceMonitor", "PrometheusRule"])
+def test_monitoring_resources_match_the_crd_schemas(kind):
+    """The Prometheus Operator's CRDs, as tests/packaging/schemas has their fields we use (types,
+    enums, duration patterns); a broken copy is rejected."""
+    schema = json.loads((ROOT / "tests" / "packaging" / "schemas" / f"{kind.lower()}.schema.json").read_text())
+    resource = monitoring_resources()[kind]
+    jsonschema.validate(resource, schema)
+    broken = copy.deepcopy(resource)
+    if kind == "ServiceMonitor":
+        broken["spec"]["endpoints"][0]["interval"] = "15 seconds"
+    else:
+        broken["spec"]["groups"][0]["rules"][0]["for"] = "five minutes"
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(broken, schema)
+
+
+def test_the_service_monitor_scrapes_the_one_metrics_port_of_every_pod():
+    """The ServiceMonitor selects the Service by its labels and scrapes its `metrics` port, which
+    targets the container port that `server.metrics_listen` binds; the Deployment exposes no other
+    metrics port (worker 0 serves every worker's metrics) and gives the workers a writable
+    PROMETHEUS_MULTIPROC_DIR on a read-only root filesystem."""
+    monitor = monitoring_resources()["ServiceMonitor"]
+    service, deployment = by_kind("Service"), by_kind("Deployment")
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    (endpoint,) = monitor["spec"]["endpoints"]
+    (port,) = [p for p in service["spec"]["ports"] if p["name"] == endpoint["port"]]
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    metrics_ports = [p for p in container["ports"] if p["name"] != "grpc"]
+    assert [p["name"] for p in metrics_ports] == [port["targetPort"]]
+    assert metrics_ports[0]["containerPort"] == int(routing_config().server.metrics_listen.rsplit(":", 1)[1])
+    assert endpoint["path"] == "/metrics"
+    env = {item["name"]: item["value"] for item in container["env"]}
+    mounts = {mount["mountPath"]: mount["name"] for mount in container["volumeMounts"]}
+    volumes = {volume["name"]: volume for volume in deployment["spec"]["template"]["spec"]["volumes"]}
+    assert "emptyDir" in volumes[mounts[env["PROMETHEUS_MULTIPROC_DIR"]]]
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True

@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
@@ -39,6 +40,18 @@ def prometheus_binary() -> str:
     if problem is not None:
         pytest.skip(f"no prometheus on PATH and Debian's package could not be fetched: {problem}")
     return str(binary)
+
+
+def promtool_binary() -> str:
+    """The path of the `promtool` that comes with the `prometheus` binary (Debian's package has
+    both); skips the calling test when there is none."""
+    beside = Path(prometheus_binary()).with_name("promtool")
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("promtool")
+    if found:
+        return found
+    pytest.skip(f"no promtool beside {prometheus_binary()} nor on PATH")
 
 
 def _unpack_debian_package() -> str | None:
@@ -67,16 +80,19 @@ def _apt(args: list[str], cwd: str) -> subprocess.CompletedProcess:
 
 
 class Prometheus:
-    """A running Prometheus scraping `targets` ("host:port") every `interval_seconds`."""
+    """A running Prometheus scraping `targets` ("host:port") every `interval_seconds`, evaluating
+    the rules of `rule_files` as often."""
 
-    def __init__(self, binary: str, work_dir: Path, targets: list[str], interval_seconds: float = 1.0):
+    def __init__(self, binary: str, work_dir: Path, targets: list[str], interval_seconds: float = 1.0, rule_files: Sequence[Path] = ()):
         work_dir.mkdir(parents=True, exist_ok=True)
         config = work_dir / "prometheus.yml"
+        rules = "".join(f"- {path}\n" for path in rule_files)
         config.write_text(
             "global:\n"
             f"  scrape_interval: {round(interval_seconds * 1000)}ms\n"
             f"  evaluation_interval: {round(interval_seconds * 1000)}ms\n"
-            "scrape_configs:\n"
+            + (f"rule_files:\n{rules}" if rules else "")
+            + "scrape_configs:\n"
             "- job_name: iris-extproc\n"
             "  static_configs:\n"
             f"  - targets: [{', '.join(targets)}]\n"
@@ -106,6 +122,12 @@ class Prometheus:
         answer = httpx.get(f"{self.url}/api/v1/query", params={"query": expr}, timeout=10).json()
         assert answer["status"] == "success", (expr, answer)
         return answer["data"]["result"]
+
+    def rules(self) -> list[dict]:
+        """Every rule loaded (/api/v1/rules), each with its group's name under `group`."""
+        answer = httpx.get(f"{self.url}/api/v1/rules", timeout=10).json()
+        assert answer["status"] == "success", answer
+        return [{**rule, "group": group["name"]} for group in answer["data"]["groups"] for rule in group["rules"]]
 
     def stop(self) -> None:
         self.process.stop()

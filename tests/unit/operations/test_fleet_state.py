@@ -104,7 +104,7 @@ def test_scrapes_within_the_cache_age_read_redis_once(small_config, redis_server
     first, second = scrape(registry), scrape(registry)
     assert len(reads) == 1 and first == second
     assert first[("iris_fleet_state_up", ())] == 1
-    assert first[("iris_in_flight_request_limit", (("gen_ai_request_model", "m"), ("provider", "iris-1")))] == 4
+    assert first[("iris_in_flight_request_limit", (("gen_ai_request_model", "m"), ("kind", "managed"), ("provider", "iris-1")))] == 4
     registry = CollectorRegistry()
     registry.register(exporter.FleetCollector(CachedFleetState(blocking_read(small_config, reads), max_age_seconds=0)))
     scrape(registry), scrape(registry)

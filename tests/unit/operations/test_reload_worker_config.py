@@ -1,7 +1,8 @@
-"""A reload in worker i of `serve --workers N` (issue 20): the worker runs its metrics on
-`server.metrics_listen`'s port plus i, so the reloader compares the file's config after the same
-adjustment (extproc.operations.workers.worker_config): an unchanged metrics_listen is no
-restart-only change, a changed one still is (the running value stays, with a warning)."""
+"""A reload in worker i of `serve --workers N` (issues 20, 22): worker 0 serves every worker's
+metrics on `server.metrics_listen`, the others none, so the reloader compares the file's config
+after the same adjustment (extproc.operations.workers.worker_config): an unchanged metrics_listen
+is no restart-only change; a changed one still is in worker 0 (the running value stays, with a
+warning) and is nothing to the others."""
 
 from __future__ import annotations
 
@@ -47,31 +48,36 @@ def test_a_reload_compares_metrics_listen_as_the_worker_runs_it(tmp_path, caplog
     path.write_text(yaml.safe_dump(data()))
     adjust = partial(worker_config, index=index)
     receiver = Receiver(adjust(parse_config(data())))
-    assert receiver.config.server.metrics_listen == f"127.0.0.1:{BASE + index}"
+    served = f"127.0.0.1:{BASE}" if index == 0 else None
+    assert receiver.config.server.metrics_listen == served
     reloader = ConfigReloader(receiver, path, adjust=adjust)
     caplog.set_level(logging.INFO, logger="extproc.operations.reload")
 
-    # A change of no restart-only field: applied, no restart warning, the worker's port kept.
+    # A change of no restart-only field: applied, no restart warning, the worker's metrics kept.
     path.write_text(yaml.safe_dump(data(slots=2)))
     assert reloader.reload(path.read_bytes())
     assert restart_warnings(caplog) == []
     assert receiver.config.providers[0].models["m"].limits.max_global_in_flight_request_slots == 2
-    assert receiver.config.server.metrics_listen == f"127.0.0.1:{BASE + index}"
+    assert receiver.config.server.metrics_listen == served
 
-    # The file's metrics_listen really moves: a restart is needed, the running value stays.
+    # The file's metrics_listen really moves: worker 0 needs a restart (the running value
+    # stays); the others serve no metrics, so nothing changed for them.
     path.write_text(yaml.safe_dump(data(metrics_port=BASE + 100, slots=3)))
     assert reloader.reload(path.read_bytes())
-    assert len(restart_warnings(caplog)) == 1 and "server.metrics_listen changed" in restart_warnings(caplog)[0]
-    assert receiver.config.server.metrics_listen == f"127.0.0.1:{BASE + index}"
+    if index == 0:
+        assert len(restart_warnings(caplog)) == 1 and "server.metrics_listen changed" in restart_warnings(caplog)[0]
+    else:
+        assert restart_warnings(caplog) == []
+    assert receiver.config.server.metrics_listen == served
     assert receiver.config.providers[0].models["m"].limits.max_global_in_flight_request_slots == 3
     assert len(receiver.applied) == 2
 
 
-def test_worker_config_moves_only_the_metrics_port():
+def test_worker_config_leaves_the_metrics_to_worker_0():
     config = parse_config(data())
     assert worker_config(config, 0) == config
-    moved = worker_config(config, 2)
-    assert moved.server.metrics_listen == f"127.0.0.1:{BASE + 2}"
-    assert moved.model_copy(update={"server": config.server}) == config
+    other = worker_config(config, 2)
+    assert other.server.metrics_listen is None
+    assert other.model_copy(update={"server": config.server}) == config
     without = parse_config(small_config_data())
     assert worker_config(without, 2) == without
