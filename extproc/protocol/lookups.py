@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingResponse
 
+from extproc import metrics
 from extproc.config import Provider
 from extproc.openai_api.request import ResponseLookup
 from extproc.protocol import answers
@@ -72,4 +73,5 @@ async def route_lookup(
     overwritten = {routing_header, *change.set_headers}  # set below, over any copy a client sent
     removed = [h for h in remove if h not in overwritten] + change.remove
     answer = msg.route_headers_to_cluster(routing_header, change.cluster, change.set_headers, removed, metadata)
+    metrics.RESPONSE_LOOKUPS.labels(lookup.action).inc()
     return answer, RoutedLookup(lookup, provider, model, identity, upstream)

@@ -317,12 +317,12 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
 
     async def _on_lookup_answer(self, stream: StreamState) -> None:
         """A lookup's answer: after a delete the provider answered 2xx, the chain record goes too;
-        a retrieved response names the model as the client does (stream.upstream_model)."""
+        a retrieved (or cancelled) response names the model as the client does."""
         routed = stream.lookup
         if not 200 <= stream.status < 300:
             return
         stream.model = routed.model
-        if routed.lookup.action == "retrieve":
+        if routed.lookup.action in ("retrieve", "cancel"):  # answered with the response object
             stream.upstream_model = routed.upstream_model
         elif routed.lookup.action == "delete":
             try:

@@ -28,6 +28,9 @@ from tests.support.gateway import (
 UPSTREAM = "tensorx/llama-3.1-70b-instruct"
 LIMITS = {"max_pinned_sessions": 8, "max_global_in_flight_request_slots": 8, "max_per_session_in_flight_request_slots": 2}
 _users = itertools.count()
+# vLLM's four (the default) and one that no model lists.
+PASSTHROUGH = {"/tokenize": "tokenize", "/detokenize": "detokenize", "/v1/rerank": "rerank", "/v1/score": "score",
+               "/v2/rerank": "rerank_v2"}
 
 
 def surface_providers() -> list[dict]:
@@ -43,7 +46,9 @@ def surface_providers() -> list[dict]:
 
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory):
-    gw = start_gateway(tmp_path_factory.mktemp("surface"), providers=surface_providers(), redis={"key_prefix": "surf"})
+    passthrough = [{"path": p, "feature": f} for p, f in PASSTHROUGH.items()]
+    gw = start_gateway(tmp_path_factory.mktemp("surface"), providers=surface_providers(), redis={"key_prefix": "surf"},
+                       passthrough_endpoints=passthrough)
     yield gw
     gw.stop()
 
@@ -167,5 +172,8 @@ def test_engine_endpoints_pass_through_to_the_models_that_list_them(gw):
     assert json.loads(score.content)["data"][0]["score"] == 1.0
     missing = httpx.post(f"{gw.url}/tokenize", headers=headers, json={"model": "bge-m3", "prompt": "a"})
     assert (missing.status_code, missing.json()["error"]["code"]) == (404, "model_not_found")
+    unlisted = httpx.post(f"{gw.url}/v2/rerank", headers=headers, json={"model": MODEL, "query": "x", "documents": ["x"]})
+    assert (unlisted.status_code, unlisted.json()["error"]["code"]) == (400, "unsupported_feature")
+    assert "rerank_v2" in unlisted.json()["error"]["message"]
     wrong = httpx.get(f"{gw.url}/tokenize", headers=headers)
     assert (wrong.status_code, wrong.json()["error"]["code"]) == (405, "method_not_allowed")
