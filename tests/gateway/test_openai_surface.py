@@ -4,7 +4,8 @@ model name the client asked for, engine endpoints pass through.
 
 Responses are served by iris-2 and tensorx only (iris-1, first in priority, lacks `responses`),
 and tensorx names the model its own way: a lookup sent anywhere else gets a 404 from the
-simulator, and a model name left unrewritten shows."""
+simulator, and a model name left unrewritten shows. A second gateway makes iris-1 a pool of three
+replicas: a lookup must reach the one replica that holds the response."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ import json
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from irislab.local_gateway import LocalGateway, ProviderSimulation
 from tests.support.gateway import (
     MODEL,
     clear_routing_state,
@@ -73,6 +76,12 @@ def lookups(gateway, name: str) -> dict[str, int]:
     return provider_stats(gateway, name)["response_lookups"]
 
 
+def counted(gateway, family: str) -> float:
+    """The sum of a counter family's samples on the (only) ext_proc server's /metrics."""
+    families = text_string_to_metric_families(httpx.get(gateway.running[0].metrics_url, timeout=5).text)
+    return sum(s.value for f in families if f.name == family.removesuffix("_total") for s in f.samples if s.name == family)
+
+
 TOOL = {"type": "function", "name": "f", "parameters": {"type": "object", "properties": {}}}
 
 
@@ -83,6 +92,7 @@ def test_a_stored_response_is_retrieved_listed_and_deleted_on_the_provider_that_
     assert created.headers["x-iris-provider"] == provider
     response_id = created.parse().id
 
+    decisions, routed = counted(gw, "iris_routing_decisions_total"), counted(gw, "iris_response_lookups_total")
     raw = alice.responses.with_raw_response.retrieve(response_id)
     found = raw.parse()
     assert raw.headers["x-simulator-name"] == provider and raw.headers["x-iris-route-reason"] == "response_lookup"
@@ -100,6 +110,8 @@ def test_a_stored_response_is_retrieved_listed_and_deleted_on_the_provider_that_
         alice.responses.retrieve(response_id)
     assert gone.value.code == "response_not_found"
     assert lookups(gw, provider) == {"retrieve": 1, "input_items": 1, "delete": 1}
+    # three lookups routed, none of them a routing decision: no slot, no lease, no pin touched
+    assert (counted(gw, "iris_routing_decisions_total"), counted(gw, "iris_response_lookups_total")) == (decisions, routed + 3)
     assert all(not lookups(gw, name) for name in gw.providers if name != provider)
 
 
@@ -177,3 +189,35 @@ def test_engine_endpoints_pass_through_to_the_models_that_list_them(gw):
     assert "rerank_v2" in unlisted.json()["error"]["message"]
     wrong = httpx.get(f"{gw.url}/tokenize", headers=headers)
     assert (wrong.status_code, wrong.json()["error"]["code"]) == (405, "method_not_allowed")
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory):
+    """iris-1 is a pool of three replicas, each keeping its own responses in memory."""
+    limits = {"max_pinned_sessions": 100, "max_global_in_flight_request_slots": 16}
+    data = {
+        "redis": {"key_prefix": "surfpool"},
+        "session": {"trusted_identity_headers": ["x-user-id"]},
+        "server": {"expose_routing_headers": True},
+        "providers": [
+            {"name": "iris-1", "kind": "managed", "cluster": "iris-1", "models": {MODEL: {"features": ["chat", "responses"], "limits": limits}}},
+            {"name": "tensorx", "kind": "unlimited", "cluster": "tensorx", "models": {MODEL: {"features": ["chat", "responses"]}}},
+        ],
+    }
+    sim = ProviderSimulation(ttft_ms=1, per_token_ms=1)
+    with LocalGateway(config_data=data, replicas={"iris-1": 3}, default_simulation=sim, work_dir=tmp_path_factory.mktemp("surfpool")) as gw:
+        yield gw
+
+
+def test_a_lookup_reaches_the_replica_of_a_pool_that_holds_the_response(pool):
+    """The lookup carries the session's affinity key: the replica that produced a response (and
+    alone holds it) answers for it, whichever of the three that was."""
+    frank = client(pool, "frank")
+    made = {}
+    for session in range(12):
+        raw = frank.responses.with_raw_response.create(model=MODEL, input=f"conversation {session} opens", max_output_tokens=1)
+        made[raw.parse().id] = raw.headers["x-simulator-name"]
+    assert len(set(made.values())) > 1  # the sessions spread over the replicas
+    for response_id, replica in made.items():
+        raw = frank.responses.with_raw_response.retrieve(response_id)
+        assert raw.headers["x-simulator-name"] == replica and raw.parse().id == response_id
