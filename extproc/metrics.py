@@ -47,6 +47,11 @@ CHAINS_RECORDED = Counter("iris_response_chains_recorded_total", "Responses API 
 CHAINS_CAPPED = Counter(
     "iris_response_chains_capped_total", "Responses API response ids not recorded: the model's chain records were at session.max_response_chains"
 )
+RESPONSE_LOOKUPS = Counter(
+    "iris_response_lookups_total",
+    "Requests for a stored response by id routed to the provider storing it (no slot taken), by action",
+    ["action"],
+)
 LOCAL_LEASES = Gauge(
     "iris_local_leases", "Request leases held in this process only (granted during a Redis outage, not yet adopted)",
     multiprocess_mode="livesum",

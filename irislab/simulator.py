@@ -20,7 +20,14 @@ Model of the work:
   false``) gets a 404 ``previous_response_not_found``, so a gateway that sends a chained turn to
   the wrong provider fails visibly. A chained turn's prompt is the stored transcript (prompts and
   answers so far) followed by its new input; a ``conversation`` id keeps a transcript the same
-  way, made on first use.
+  way, made on first use. A stored response is served by id as OpenAI's API does (``GET`` and
+  ``DELETE /v1/responses/{id}``, ``GET /v1/responses/{id}/input_items``, ``POST
+  /v1/responses/{id}/cancel``), and ``background: true`` answers at once with status
+  ``queued`` and generates afterwards (poll it by id); an id this deployment does not hold gets
+  a 404 ``response_not_found``.
+* vLLM's endpoints beyond OpenAI's: ``POST /tokenize`` and ``/detokenize`` (a word is a token;
+  ids are given in order of first sight, so they round-trip), ``/v1/rerank`` and ``/v1/score``
+  (a document's score is the share of the query's words it holds).
 * The answer has ``max_tokens`` words ``tok0 tok1 ...``, ready after ``ttft_ms + prefill +
   n * per_token_ms`` milliseconds, where ``prefill = uncached prompt tokens * prefill_ms_per_token``
   (0 by default: prefix-cache hits then cost nothing extra); a streamed answer sends its first
@@ -137,6 +144,8 @@ class SimulatorState:
         requests, as received (names only: what a body carried, never its content).
     health_checks / health_checks_failed: ``GET /health`` requests, and those answered 503;
     health_checks_failed_by_client: the same per ``client`` query parameter (``/health?client=x``).
+    response_lookups: requests for a stored response by id, by action (``retrieve``, ``delete``,
+        ``input_items``, ``cancel``), found or not; not counted in `requests`.
     running / waiting: generations running now, and those waiting for one of the
         ``max_num_seqs`` places (always 0 without that limit); max_waiting: the most ever seen
         waiting at once; queued_requests: generations that had to wait at all.
@@ -160,6 +169,7 @@ class SimulatorState:
     health_checks_failed: int = 0
     health_checks_failed_by_client: dict[str, int] = field(default_factory=dict)
     responses_stored: int = 0
+    response_lookups: dict[str, int] = field(default_factory=dict)
     running: int = 0
     waiting: int = 0
     max_waiting: int = 0
@@ -198,6 +208,7 @@ class SimulatorState:
         self.requests = self.prompt_tokens = self.cached_tokens = self.completion_tokens = 0
         self.health_checks = self.health_checks_failed = 0
         self.health_checks_failed_by_client.clear()
+        self.response_lookups.clear()
         self.requests_by_status.clear()
         self.last_request_headers.clear()
         self.last_request_models.clear()
@@ -222,6 +233,7 @@ class SimulatorState:
             "health_checks_failed": self.health_checks_failed,
             "health_checks_failed_by_client": dict(self.health_checks_failed_by_client),
             "responses_stored": self.responses_stored,
+            "response_lookups": dict(self.response_lookups),
             "running": self.running,
             "waiting": self.waiting,
             "max_waiting": self.max_waiting,
@@ -546,14 +558,41 @@ class _CompletionsApi:
         }
 
 
+@dataclass
+class StoredResponse:
+    """A stored response as ``GET /v1/responses/{id}`` serves it: its generation, its input items
+    (as ``input_items`` lists them), its status (``queued``, ``in_progress``, ``completed``,
+    ``cancelled``) and, for a background response, the task generating it."""
+
+    gen: _Generation
+    input_items: list[dict[str, Any]]
+    status: str = "completed"
+    background: bool = False
+    task: asyncio.Task | None = None
+
+
 class ResponseStore:
-    """The Responses-API state of one deployment: the transcript (prompt and answer text) of each
-    stored response and of each conversation, the oldest dropped beyond `capacity` entries."""
+    """The Responses-API state of one deployment: the transcript (prompt and answer text) and the
+    `StoredResponse` of each stored response, and the transcript of each conversation, the oldest
+    dropped beyond `capacity` entries."""
 
     def __init__(self, capacity: int = 100_000):
         self.capacity = capacity
         self.responses: OrderedDict[str, str] = OrderedDict()
+        self.stored: OrderedDict[str, StoredResponse] = OrderedDict()
         self.conversations: OrderedDict[str, str] = OrderedDict()
+
+    def get(self, response_id: str) -> StoredResponse:
+        """The stored response `response_id`. Raises _ApiError (404 response_not_found)."""
+        entry = self.stored.get(response_id)
+        if entry is None:
+            raise _ApiError(404, f"Response with id '{response_id[:100]}' not found.", "invalid_request_error", "response_not_found")
+        return entry
+
+    def forget(self, response_id: str) -> None:
+        """Delete the stored response `response_id`: it can no longer be chained or read."""
+        self.stored.pop(response_id, None)
+        self.responses.pop(response_id, None)
 
     def context(self, body: dict[str, Any]) -> str:
         """The transcript a request continues ("" for none). Raises _ApiError (404) for a
@@ -569,22 +608,40 @@ class ResponseStore:
         conversation = _conversation_id(body)
         return self.conversations.get(conversation, "") if conversation else ""
 
-    def keep(self, body: dict[str, Any], response_id: str, transcript: str) -> bool:
-        """Store the response unless `store` is false, and the conversation's transcript.
-        Returns whether the response was stored."""
+    def keep(self, body: dict[str, Any], response_id: str, transcript: str, entry: StoredResponse) -> bool:
+        """Store the response (`transcript` and `entry`) unless `store` is false, and the
+        conversation's transcript. Returns whether the response was stored."""
         conversation = _conversation_id(body)
         if conversation:
             self._put(self.conversations, conversation, transcript)
         if body.get("store") is False:
             return False
         self._put(self.responses, response_id, transcript)
+        self._put(self.stored, response_id, entry)
         return True
 
-    def _put(self, entries: OrderedDict[str, str], key: str, value: str) -> None:
+    def _put(self, entries: OrderedDict[str, Any], key: str, value: Any) -> None:
         entries[key] = value
         entries.move_to_end(key)
         while len(entries) > self.capacity:
             entries.popitem(last=False)
+
+
+def _input_items(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The request's `input` as the input items OpenAI lists: messages with an id and their
+    content as `input_text` parts (other items as they were sent, with an id)."""
+    items = body.get("input")
+    if isinstance(items, str):
+        items = [{"role": "user", "content": items}]
+    listed = []
+    for item in items if isinstance(items, list) else []:
+        if not isinstance(item, dict):
+            continue
+        content = item.get("content")
+        if isinstance(content, str):
+            content = [{"type": "input_text", "text": content}]
+        listed.append({"type": "message", "status": "completed", **item, "id": "msg_" + uuid.uuid4().hex, "content": content})
+    return listed
 
 
 def _conversation_id(body: dict[str, Any]) -> str | None:
@@ -667,6 +724,11 @@ class _ResponsesApi:
             "total_tokens": gen.prompt_tokens + gen.completion_tokens,
         }
 
+    def stored(self, entry: StoredResponse) -> dict[str, Any]:
+        """A stored response as ``GET /v1/responses/{id}`` answers it: whole once completed."""
+        answer = self.answer(entry.gen) if entry.status == "completed" else self._response(entry.gen, entry.status, [], None)
+        return {**answer, "background": entry.background}
+
     @staticmethod
     def _response(gen: _Generation, status: str, output: list[Any], usage: Any) -> dict:
         return {
@@ -745,6 +807,9 @@ class _Service:
         self.healthy = True
         self.waiting: dict[str, float] = {}
         self.store = ResponseStore()
+        self.background: set[asyncio.Task] = set()
+        self.vocabulary: dict[str, int] = {}  # /tokenize: a word's id, in order of first sight
+        self.words: list[str] = []
 
     # -- inference --------------------------------------------------------------------------
 
@@ -820,12 +885,12 @@ class _Service:
         context = self.store.context(body) if isinstance(api, _ResponsesApi) else ""
         words = context.split() + api.prompt(body).split()  # a bad request is answered at once, without waiting
         max_tokens = _max_tokens(body, api.max_token_fields, self.config.default_max_tokens)
+        if isinstance(api, _ResponsesApi) and body.get("background") is True:
+            return self._start_background(api, body, words, max_tokens, context, exchange)
         async with self.batch.seat():
             gen = self._start_generation(api, body, words, max_tokens)
             if isinstance(api, _ResponsesApi):
-                prompt = (context + "\n" + api.prompt(body)) if context else api.prompt(body)
-                if self.store.keep(body, gen.id, prompt + "\n" + gen.text()):
-                    self.state.responses_stored += 1
+                self._keep_response(api, body, gen, context, StoredResponse(gen, _input_items(body)))
             if body.get("stream") is True:
                 return await self._stream(api, gen, request, exchange, drop)
             if drop:
@@ -834,6 +899,151 @@ class _Service:
         self.state.completion_tokens += gen.completion_tokens
         exchange.outcome = "200"
         return _json_response(api.answer(gen))
+
+    def _keep_response(self, api: _ResponsesApi, body: dict[str, Any], gen: _Generation, context: str, entry: StoredResponse) -> None:
+        prompt = (context + "\n" + api.prompt(body)) if context else api.prompt(body)
+        if self.store.keep(body, gen.id, prompt + "\n" + gen.text(), entry):
+            self.state.responses_stored += 1
+
+    def _start_background(
+        self, api: _ResponsesApi, body: dict[str, Any], words: list[str], max_tokens: int, context: str, exchange: _Exchange
+    ) -> web.Response:
+        """``background: true``: stored with status ``queued`` and answered at once; the generation
+        runs afterwards (waiting for a place like any), and its status follows."""
+        if body.get("store") is False or body.get("stream") is True:
+            raise _invalid("a background response must be stored and not streamed here")
+        gen = self._start_generation(api, body, words, max_tokens)
+        entry = StoredResponse(gen, _input_items(body), status="queued", background=True)
+        self._keep_response(api, body, gen, context, entry)
+        entry.task = asyncio.get_running_loop().create_task(self._run_background(entry))
+        self.background.add(entry.task)
+        entry.task.add_done_callback(self.background.discard)
+        exchange.outcome = "200"
+        return _json_response(api.stored(entry))
+
+    async def _run_background(self, entry: StoredResponse) -> None:
+        async with self.batch.seat():
+            entry.status = "in_progress"
+            await self._decode(entry.gen)
+        self.state.completion_tokens += entry.gen.completion_tokens
+        entry.status = "completed"
+
+    # -- stored responses by id -------------------------------------------------------------
+
+    def _stored(self, request: web.Request, action: str) -> tuple[str, StoredResponse]:
+        """Count a lookup by id, check the key; the id and its stored response. Raises _ApiError."""
+        self.state.response_lookups[action] = self.state.response_lookups.get(action, 0) + 1
+        key = self.config.required_api_key
+        if key is not None and not _authorized(request.headers, key):
+            raise _ApiError(401, "Incorrect API key provided.", "invalid_request_error", "invalid_api_key")
+        response_id = request.match_info["response_id"]
+        return response_id, self.store.get(response_id)
+
+    async def retrieve_response(self, request: web.Request) -> web.Response:
+        try:
+            _, entry = self._stored(request, "retrieve")
+        except _ApiError as error:
+            return error.response()
+        return _json_response(_ResponsesApi().stored(entry))
+
+    async def delete_response(self, request: web.Request) -> web.Response:
+        try:
+            response_id, entry = self._stored(request, "delete")
+        except _ApiError as error:
+            return error.response()
+        if entry.task is not None:
+            entry.task.cancel()
+        self.store.forget(response_id)
+        return _json_response({"id": response_id, "object": "response.deleted", "deleted": True})
+
+    async def response_input_items(self, request: web.Request) -> web.Response:
+        """The stored response's input items, newest first unless ``order=asc`` (OpenAI's default)."""
+        try:
+            _, entry = self._stored(request, "input_items")
+        except _ApiError as error:
+            return error.response()
+        items = entry.input_items if request.query.get("order") == "asc" else entry.input_items[::-1]
+        first, last = (items[0]["id"], items[-1]["id"]) if items else (None, None)
+        return _json_response({"object": "list", "data": items, "first_id": first, "last_id": last, "has_more": False})
+
+    async def cancel_response(self, request: web.Request) -> web.Response:
+        """Cancel a background response still queued or in progress; any other gets a 400."""
+        try:
+            _, entry = self._stored(request, "cancel")
+            if not entry.background:
+                raise _invalid("Cannot cancel a synchronous response.")
+        except _ApiError as error:
+            return error.response()
+        if entry.status in ("queued", "in_progress") and entry.task is not None:
+            entry.task.cancel()
+            entry.status = "cancelled"
+        return _json_response(_ResponsesApi().stored(entry))
+
+    async def stop_background(self, app: web.Application) -> None:
+        for task in list(self.background):
+            task.cancel()
+
+    # -- vLLM's endpoints beyond OpenAI's ----------------------------------------------------
+
+    def engine_handler(self, answer: Callable[[dict[str, Any]], dict[str, Any]]) -> _Handler:
+        """An engine endpoint answered at once by `answer(body)`, counted like any inference request."""
+        async def answer_now(request: web.Request, body: dict[str, Any], exchange: _Exchange, drop: bool) -> web.StreamResponse:
+            if drop:
+                return self._drop(request, exchange)
+            reply = answer(body)
+            exchange.outcome = "200"
+            return _json_response(reply)
+
+        async def handler(request: web.Request) -> web.StreamResponse:
+            return await self._serve(request, answer_now)
+
+        return handler
+
+    def _token_ids(self, text: str) -> list[int]:
+        ids = []
+        for word in text.split():
+            if word not in self.vocabulary:
+                self.vocabulary[word] = len(self.words)
+                self.words.append(word)
+            ids.append(self.vocabulary[word])
+        return ids
+
+    def tokenize(self, body: dict[str, Any]) -> dict[str, Any]:
+        """vLLM's ``/tokenize``: ``prompt`` or ``messages`` -> ``{"count", "max_model_len", "tokens"}``."""
+        prompt = body.get("prompt")
+        text = prompt if isinstance(prompt, str) else _messages_text(body.get("messages"), "messages")
+        tokens = self._token_ids(text)
+        return {"count": len(tokens), "max_model_len": 8192, "tokens": tokens}
+
+    def detokenize(self, body: dict[str, Any]) -> dict[str, Any]:
+        """vLLM's ``/detokenize``: ``tokens`` -> ``{"prompt"}``."""
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and 0 <= t < len(self.words) for t in tokens):
+            raise _invalid("'tokens' must be a list of known token ids")
+        return {"prompt": " ".join(self.words[t] for t in tokens)}
+
+    def rerank(self, body: dict[str, Any]) -> dict[str, Any]:
+        """vLLM's (Jina's and Cohere's) ``/v1/rerank``: ``query``, ``documents`` [, ``top_n``]."""
+        query = body.get("query")
+        if not isinstance(query, str):
+            raise _invalid("'query' must be a string")
+        documents = _strings(body.get("documents"), "documents")
+        top_n = body.get("top_n") or len(documents)
+        scored = sorted(((_overlap(query, d), i, d) for i, d in enumerate(documents)), key=lambda x: (-x[0], x[1]))
+        results = [{"index": i, "document": {"text": d}, "relevance_score": score} for score, i, d in scored[:top_n]]
+        tokens = len(query.split()) + sum(len(d.split()) for d in documents)
+        return {"id": "rerank-" + uuid.uuid4().hex, "model": body["model"], "usage": {"total_tokens": tokens}, "results": results}
+
+    def score(self, body: dict[str, Any]) -> dict[str, Any]:
+        """vLLM's ``/v1/score``: ``text_1`` against each of ``text_2``."""
+        first = body.get("text_1")
+        if not isinstance(first, str):
+            raise _invalid("'text_1' must be a string")
+        seconds = _strings(body.get("text_2"), "text_2")
+        data = [{"index": i, "object": "score", "score": _overlap(first, text)} for i, text in enumerate(seconds)]
+        tokens = len(first.split()) * len(seconds) + sum(len(t.split()) for t in seconds)
+        return {"id": "score-" + uuid.uuid4().hex, "object": "list", "created": int(time.time()), "model": body["model"],
+                "data": data, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
     def token_ms(self) -> float:
         """Time to generate one token now, in milliseconds (`decode_token_ms`)."""
@@ -1003,6 +1213,12 @@ class _Service:
         return _json_response({"status": "ok"})
 
 
+def _overlap(query: str, text: str) -> float:
+    """The share of `query`'s distinct words that `text` holds, in [0, 1]."""
+    wanted = set(query.split())
+    return len(wanted & set(text.split())) / len(wanted) if wanted else 0.0
+
+
 def _label(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
@@ -1026,7 +1242,9 @@ def build_app(config: SimulatorConfig) -> web.Application:
     """The simulator as an aiohttp application; its counters are ``app[STATE_KEY]``.
 
     Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/embeddings``,
-    ``POST /v1/responses``; ``GET /stats`` (the `SimulatorState` snapshot plus ``name``),
+    ``POST /v1/responses``; ``GET`` and ``DELETE /v1/responses/{id}``, ``GET
+    /v1/responses/{id}/input_items``, ``POST /v1/responses/{id}/cancel``; ``POST /tokenize``,
+    ``/detokenize``, ``/v1/rerank``, ``/v1/score``; ``GET /stats`` (the `SimulatorState` snapshot plus ``name``),
     ``POST /stats/reset``; ``POST /control/fail`` with ``{"status": 503, "count": 5}`` or
     ``{"mode": "reset", "count": N}`` (count -1: until cleared), ``POST /control/clear``;
     ``GET /health`` (200, or 503 after ``POST /control/health {"healthy": false}``);
@@ -1043,12 +1261,21 @@ def build_app(config: SimulatorConfig) -> web.Application:
         response.headers["x-simulator-name"] = config.name
 
     app.on_response_prepare.append(add_name_header)
+    app.on_cleanup.append(service.stop_background)
     app.add_routes(
         [
             web.post("/v1/chat/completions", service.generation_handler(_ChatApi())),
             web.post("/v1/completions", service.generation_handler(_CompletionsApi())),
             web.post("/v1/responses", service.generation_handler(_ResponsesApi())),
             web.post("/v1/embeddings", service.embeddings_handler),
+            web.get("/v1/responses/{response_id}", service.retrieve_response),
+            web.delete("/v1/responses/{response_id}", service.delete_response),
+            web.get("/v1/responses/{response_id}/input_items", service.response_input_items),
+            web.post("/v1/responses/{response_id}/cancel", service.cancel_response),
+            web.post("/tokenize", service.engine_handler(service.tokenize)),
+            web.post("/detokenize", service.engine_handler(service.detokenize)),
+            web.post("/v1/rerank", service.engine_handler(service.rerank)),
+            web.post("/v1/score", service.engine_handler(service.score)),
             web.get("/stats", service.stats),
             web.post("/stats/reset", service.reset_stats),
             web.get("/health", service.health),

@@ -81,6 +81,7 @@ def check(config: Config, bootstrap: dict[str, Any], envoy_name: str = "envoy.ya
         if addresses:
             problems += _ext_proc_problems(config.server.listen, manager, clusters, envoy_name)
         problems += _mutation_rule_problems(config, manager, envoy_name)
+        problems += _mode_override_problems(manager, envoy_name)
     if addresses:
         for provider in config.providers:
             cluster = clusters.get(provider.cluster)
@@ -221,6 +222,47 @@ def _mutation_rule_problems(config: Config, manager: dict[str, Any], envoy_name:
                     "(ext_proc mutation_rules: allow_envoy: true)"
                 )
     return problems
+
+
+# The ext_proc filter's processing mode the server is written for (as envoy/envoy.yaml sets it;
+# extproc.protocol.messages.processing_mode builds the same), Envoy's defaults filled in.
+PROCESSING_MODE = {
+    "request_header_mode": "SEND", "request_body_mode": "BUFFERED", "request_trailer_mode": "SKIP",
+    "response_header_mode": "SEND", "response_body_mode": "NONE", "response_trailer_mode": "SEND",
+}
+_ENVOY_MODE_DEFAULTS = {
+    "request_header_mode": "SEND", "request_body_mode": "NONE", "request_trailer_mode": "SKIP",
+    "response_header_mode": "SEND", "response_body_mode": "NONE", "response_trailer_mode": "SKIP",
+}
+# The response-body modes the server asks for by a mode override in its response-headers answer: a
+# /v1/responses answer's id (docs/sessions.md) and an answer whose model name it rewrites.
+OVERRIDE_BODY_MODES = ("BUFFERED", "STREAMED")
+
+
+def _mode_override_problems(manager: dict[str, Any], envoy_name: str) -> list[str]:
+    """Each ext_proc filter lets the server override the response body mode as it needs: without
+    that, Envoy ignores the override and, silently, no Responses chain is recorded and no model
+    name is rewritten."""
+    problems = []
+    for ext_proc in (_dict(f) for f in _list(manager.get("http_filters")) if _dict(f).get("name") == EXT_PROC_FILTER):
+        typed = _dict(ext_proc.get("typed_config"))
+        if not _truthy(typed.get("allow_mode_override")):
+            problems.append(f"{envoy_name}: the ext_proc filter must set allow_mode_override: true (Responses chains, model names in answers)")
+            continue
+        allowed = [_mode(m) for m in _list(typed.get("allowed_override_modes"))]
+        missing = [b for b in OVERRIDE_BODY_MODES if allowed and {**PROCESSING_MODE, "response_body_mode": b} not in allowed]
+        if missing:
+            problems.append(
+                f"{envoy_name}: the ext_proc filter's allowed_override_modes lack the processing mode with "
+                f"response_body_mode {' and '.join(missing)} (the rest as envoy/envoy.yaml's processing_mode)"
+            )
+    return problems
+
+
+def _mode(value: Any) -> dict[str, str]:
+    """A ProcessingMode of the YAML with Envoy's defaults for what it leaves out (DEFAULT too)."""
+    given = {k: str(v) for k, v in _dict(value).items() if str(v) != "DEFAULT"}
+    return {**_ENVOY_MODE_DEFAULTS, **given}
 
 
 def _may_remove(rules: dict[str, Any], header: str) -> bool:

@@ -78,20 +78,41 @@ def _cross_field_problems(config: Config) -> list[str]:
         for value, count in Counter(values).items():
             if count > 1:
                 problems.append(f"providers: duplicate provider {label} {value!r}")
+    passthrough = config.passthrough_features()
     for i, provider in enumerate(config.providers):
         for model, entry in provider.models.items():
             at = f"providers[{i}].models.{model}"
             if "{" in model or "}" in model or not model.strip():
                 problems.append(f"{at}: a model name must be non-blank and hold no braces")
-            unknown = entry.features - FEATURE_CLASSES - SUB_FEATURES
+            unknown = entry.features - FEATURE_CLASSES - SUB_FEATURES - passthrough
             if unknown:
                 problems.append(f"{at}.features: unknown feature(s) {sorted(unknown)}")
-            if not entry.features & FEATURE_CLASSES:
-                problems.append(f"{at}.features: needs one of {sorted(FEATURE_CLASSES)}")
+            if not entry.features & (FEATURE_CLASSES | passthrough):
+                problems.append(f"{at}.features: needs one of {sorted(FEATURE_CLASSES | passthrough)}")
             problems.extend(_limit_problems(at, provider.kind, entry.limits))
         problems.extend(_provider_extension_problems(f"providers[{i}]", provider))
     problems.extend(_session_problems(config))
     problems.extend(_redis_problems(config.redis))
+    problems.extend(_passthrough_problems(config))
+    return problems
+
+
+# Paths the router serves itself or as OpenAI's API: a passthrough endpoint cannot take them.
+_OWN_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses", "/v1/models")
+
+
+def _passthrough_problems(config: Config) -> list[str]:
+    """Each path once, none of OpenAI's paths the router serves, no feature class as a feature."""
+    problems = []
+    paths = [e.path for e in config.passthrough_endpoints]
+    for path, count in Counter(paths).items():
+        if count > 1:
+            problems.append(f"passthrough_endpoints: path {path!r} is listed twice")
+    for i, endpoint in enumerate(config.passthrough_endpoints):
+        if any(endpoint.path == own or endpoint.path.startswith(own + "/") for own in _OWN_PATHS):
+            problems.append(f"passthrough_endpoints[{i}].path: {endpoint.path!r} is one of OpenAI's paths the router serves")
+        if endpoint.feature in FEATURE_CLASSES | SUB_FEATURES:
+            problems.append(f"passthrough_endpoints[{i}].feature: {endpoint.feature!r} is already a feature of OpenAI's API")
     return problems
 
 

@@ -233,10 +233,17 @@ class AdaptationSettings(_Strict):
     """What requests lose before they leave: the client's own credential headers (every
     provider), and the headers that identify the client or where it connects from (unlimited
     providers: third parties). The session's trusted identity headers are removed before
-    unlimited providers as well, whatever this list says."""
+    unlimited providers as well, whatever this list says.
+
+    `restore_model_name`: an answer from a provider that names the model its own way
+    (`upstream_model`) gets the client's model name back in its `"model"` fields, JSON and
+    streamed (docs/endpoints.md "The model name in answers"); it costs the ext_proc server the
+    answer's body (one more message for JSON, one per chunk for a stream), only for such pairs.
+    False leaves the provider's name in answers and saves that cost."""
 
     client_credential_headers: list[HeaderName] = ["authorization", "api-key", "x-api-key"]
     private_headers: list[HeaderName] = list(DEFAULT_PRIVATE_HEADERS)
+    restore_model_name: bool = True
 
 
 class Affinity(str, enum.Enum):
@@ -492,6 +499,28 @@ class ServerSettings(_Strict):
     reload_poll_seconds: float = Field(default=1.0, ge=0)  # 0: reload on SIGHUP only
 
 
+class PassthroughEndpoint(_Strict):
+    """An engine endpoint beyond OpenAI's that the gateway routes (docs/endpoints.md
+    "Passthrough endpoints"): `POST <path>` with a JSON body naming `model` goes to a provider
+    whose model lists `feature` among its features, by the same routing rules as any request
+    (limits, leases, degradation); its session comes from the explicit session signals only
+    (a session header, `prompt_cache_key`, an agent's session header), keyed by `feature`, so it
+    never moves a chat's pin. The body is passed on as sent (the model renamed to the pair's
+    `upstream_model`)."""
+
+    path: str = Field(pattern=r"^/[A-Za-z0-9._~-]+(/[A-Za-z0-9._~-]+)*$")
+    feature: str = Field(pattern=r"^[a-z][a-z0-9_]*$")
+
+
+# vLLM's (and SGLang's) endpoints beyond OpenAI's: a model opts in by listing the feature.
+DEFAULT_PASSTHROUGH_ENDPOINTS = (
+    PassthroughEndpoint(path="/tokenize", feature="tokenize"),
+    PassthroughEndpoint(path="/detokenize", feature="detokenize"),
+    PassthroughEndpoint(path="/v1/rerank", feature="rerank"),
+    PassthroughEndpoint(path="/v1/score", feature="score"),
+)
+
+
 DEFAULT_MAX_PINNED_SESSIONS_UNLIMITED = 100_000
 
 
@@ -502,7 +531,11 @@ class Config(_Strict):
     `max_pinned_sessions` (an unlimited provider's pairs, a managed pair without limits), so
     Redis memory stays bounded whatever clients send (docs/routing-state.md "Bounded routing state"); null
     removes the bound. A new session refused a pin only by this cap is routed as a request
-    without a session (extproc.routing.router)."""
+    without a session (extproc.routing.router).
+
+    `passthrough_endpoints`: the engine endpoints routed beside OpenAI's (PassthroughEndpoint);
+    by default vLLM's `/tokenize`, `/detokenize`, `/v1/rerank` and `/v1/score`, each served only
+    by the models that list its feature (`tokenize`, `detokenize`, `rerank`, `score`)."""
 
     providers: list[Provider] = Field(min_length=1)
     max_pinned_sessions_unlimited: int | None = Field(default=DEFAULT_MAX_PINNED_SESSIONS_UNLIMITED, ge=1)
@@ -515,6 +548,11 @@ class Config(_Strict):
     adaptation: AdaptationSettings = AdaptationSettings()
     degradation: DegradationSettings = DegradationSettings()
     routing: RoutingSettings = RoutingSettings()
+    passthrough_endpoints: list[PassthroughEndpoint] = list(DEFAULT_PASSTHROUGH_ENDPOINTS)
+
+    def passthrough_features(self) -> frozenset[str]:
+        """The features of `passthrough_endpoints`."""
+        return frozenset(e.feature for e in self.passthrough_endpoints)
 
     def providers_in_priority_order(self) -> list[Provider]:
         """The spec's all_providers_in_priority_order(): managed providers first, then unlimited

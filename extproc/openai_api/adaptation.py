@@ -86,10 +86,15 @@ class RequestAdapter:
             if entry.upstream_model and entry.upstream_model != model
         }
 
-    def adapt(self, provider: Provider, model: str, body: dict, session_id: str | None = None) -> Adaptation:
-        """The changes for sending the request `body` (decoded JSON object) for `model` to
-        `provider`, within session `session_id` (None: a request without a session). Raises
-        nothing: `body` was decoded from JSON, so it encodes again."""
+    def upstream_model(self, provider: Provider, model: str) -> str | None:
+        """The provider's own name for `model` when it differs from the client's, else None."""
+        return self._upstream_models.get((provider.name, model))
+
+    def adapt(self, provider: Provider, model: str, body: dict | None, session_id: str | None = None) -> Adaptation:
+        """The changes for sending the request `body` (decoded JSON object; None for a request
+        without a body, a lookup by id) for `model` to `provider`, within session `session_id`
+        (None: a request without a session). Raises nothing: `body` was decoded from JSON, so it
+        encodes again."""
         headers: dict[str, str] = {}
         session_header = self._session_headers.get(provider.name)
         if session_id is not None and session_header is not None:
@@ -102,7 +107,7 @@ class RequestAdapter:
         private = provider.kind is ProviderKind.UNLIMITED and not provider.forward_client_identity
         if private:
             remove += [h for h in self._private_headers if h not in headers]
-        return Adaptation(cluster, headers, remove, self._body(provider, model, body, private))
+        return Adaptation(cluster, headers, remove, None if body is None else self._body(provider, model, body, private))
 
     def _body(self, provider: Provider, model: str, body: dict, private: bool) -> bytes | None:
         """The body for `provider`: `model` renamed to the pair's upstream name and, when

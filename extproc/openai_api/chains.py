@@ -23,6 +23,7 @@ answer); other traffic costs nothing more.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import orjson
@@ -70,6 +71,14 @@ return 1
 """)
 
 
+# Forget one record: KEYS the record, the model's set of records; ARGV the record's digest.
+_FORGET = LuaScript("""
+redis.call('DEL', KEYS[1])
+redis.call('ZREM', KEYS[2], ARGV[1])
+return 1
+""")
+
+
 class ResponseChains:
     """The response id -> (session, provider) records in Redis, at most
     `session.max_response_chains` per model. Raises RedisError."""
@@ -91,14 +100,29 @@ class ResponseChains:
     async def lookup(self, model: str, identity: str, response_id: str) -> ChainLink | None:
         """The record of `response_id` for this identity, or None (unknown, expired, or another
         identity's)."""
-        raw = await self.redis.get(self.key(model, identity, response_id))
-        if raw is None:
+        return _decode(await self.redis.get(self.key(model, identity, response_id)))
+
+    async def find(self, identity: str, response_id: str, models: Sequence[str]) -> tuple[str, ChainLink] | None:
+        """The model and record of `response_id` for this identity, looked up under every model of
+        `models` at once (one pipelined round trip: a request by id names no model), or None. The
+        first model in `models` order with a readable record wins."""
+        if not models:
             return None
-        try:
-            session, provider = orjson.loads(raw)
-        except (orjson.JSONDecodeError, ValueError, TypeError):
-            return None
-        return ChainLink(session or None, provider or None)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for model in models:
+                pipe.get(self.key(model, identity, response_id))
+            replies = await pipe.execute()
+        for model, raw in zip(models, replies):
+            link = _decode(raw)
+            if link is not None:
+                return model, link
+        return None
+
+    async def forget(self, model: str, identity: str, response_id: str) -> None:
+        """Remove the record of `response_id` (after its provider deleted the response), and its
+        place under the model's cap, atomically."""
+        digest = self._digest(identity, response_id)
+        await _FORGET(self.redis, [self.keys.response_chain(model, digest), self.keys.response_chains(model)], [digest])
 
     async def record(self, model: str, identity: str, response_id: str, link: ChainLink) -> bool:
         """Remember `response_id` -> `link` for as long as the session's pin can live. False when
@@ -116,6 +140,18 @@ class ResponseChains:
         stream longer than the TTL would otherwise lose its chain before the session's pin, whose
         timeout starts at the request's end. A record that is gone stays gone."""
         await self._call(model, identity, response_id, b"")
+
+
+def _decode(raw: bytes | None) -> ChainLink | None:
+    """A record's value (`[session id, provider]`, "" for none) as a ChainLink; None for none or
+    an unreadable value."""
+    if raw is None:
+        return None
+    try:
+        session, provider = orjson.loads(raw)
+    except (orjson.JSONDecodeError, ValueError, TypeError):
+        return None
+    return ChainLink(session or None, provider or None)
 
 
 class ResponseIdReader:

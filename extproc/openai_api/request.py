@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +38,17 @@ ENDPOINTS = {
 }
 
 MODELS_PATH = "/v1/models"
+RESPONSES_PATH = "/v1/responses"
+
+# What may follow `/v1/responses/{id}` and the method each serves (OpenAI's API reference:
+# retrieve, delete, list input items, cancel a background response).
+RESPONSE_ACTIONS = {
+    ("", "GET"): "retrieve",
+    ("", "DELETE"): "delete",
+    ("/input_items", "GET"): "input_items",
+    ("/cancel", "POST"): "cancel",
+}
+MAX_RESPONSE_ID_CHARS = 512  # as the chain record's reader (extproc.openai_api.chains)
 
 _IMAGE_PART_TYPES = frozenset({"image_url", "input_image", "image"})
 _STRING_OR_NULL = (str, type(None))  # what a message's, an input item's or a content part's `type` may be
@@ -56,16 +67,55 @@ class ParsedRequest:
     body: dict[str, Any]
 
 
-def feature_for_path(path: str) -> str:
-    """The feature class served at `path` (query string ignored). Raises RequestError (404)."""
-    feature = ENDPOINTS.get(path.split("?", 1)[0].rstrip("/"))
+def feature_for_path(path: str, passthrough: Mapping[str, str] | None = None) -> str:
+    """The feature class served at `path` (query string ignored): one of ENDPOINTS, else the
+    feature of a configured passthrough endpoint (`passthrough`: path -> feature). Raises
+    RequestError (404)."""
+    bare = path.split("?", 1)[0].rstrip("/")
+    feature = ENDPOINTS.get(bare)
+    if feature is None and passthrough:
+        feature = passthrough.get(bare)
     if feature is None:
         raise RequestError(404, f"unknown endpoint {path[:200]!r}", "unknown_url")
     return feature
 
 
+@dataclass(frozen=True, slots=True)
+class ResponseLookup:
+    """A request for a stored response by id: `action` is `retrieve` (GET
+    /v1/responses/{id}), `delete` (DELETE /v1/responses/{id}), `input_items` (GET
+    /v1/responses/{id}/input_items) or `cancel` (POST /v1/responses/{id}/cancel)."""
+
+    response_id: str
+    action: str
+
+
+def response_lookup(method: str, path: str) -> ResponseLookup | None:
+    """The stored-response request `method` `path` makes (query string and a trailing slash
+    ignored), or None when `path` is not under `/v1/responses/{id}`. Raises RequestError: 405
+    (method_not_allowed) for a method the path does not serve, 404 (unknown_url) for another
+    path below an id, 404 (response_not_found) for an id longer than MAX_RESPONSE_ID_CHARS."""
+    bare = path.split("?", 1)[0].rstrip("/")
+    if not bare.startswith(RESPONSES_PATH + "/"):
+        return None
+    response_id, slash, rest = bare[len(RESPONSES_PATH) + 1:].partition("/")
+    suffix = slash + rest
+    methods = [m for (s, m) in RESPONSE_ACTIONS if s == suffix]
+    if not methods or not response_id:
+        raise RequestError(404, f"unknown endpoint {path[:200]!r}", "unknown_url")
+    action = RESPONSE_ACTIONS.get((suffix, method))
+    if action is None:
+        allowed = " or ".join(methods)
+        raise RequestError(405, f"method {method[:20]!r} is not allowed here: use {allowed}", "method_not_allowed")
+    if len(response_id) > MAX_RESPONSE_ID_CHARS:
+        raise RequestError(404, "no response with that id was found", "response_not_found", param="response_id")
+    return ResponseLookup(response_id, action)
+
+
 def parse_request(feature: str, raw: bytes, completions_prefix_chars: int) -> ParsedRequest:
-    """Decode and check the body of a request for `feature`. Raises RequestError (400) for a body
+    """Decode and check the body of a request for `feature` (a feature class, or the feature of a
+    passthrough endpoint: then only `model` and `stream` are read, the request has no stable
+    prefix and no sub-feature). Raises RequestError (400) for a body
     that is not a JSON object (invalid JSON, not UTF-8, nested too deep), lacks required fields or
     holds a message, input item or content part whose `type` is not a string (`invalid_type`,
     naming the field: `messages[0].content[1].type must be a string`)."""
@@ -82,8 +132,10 @@ def parse_request(feature: str, raw: bytes, completions_prefix_chars: int) -> Pa
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise RequestError(400, "'stream' must be a boolean", "invalid_type", param="stream")
-    prefix = _STABLE_PREFIX[feature](body, completions_prefix_chars)
-    return ParsedRequest(feature, model, stream, _sub_features(body), prefix, body)
+    stable_prefix = _STABLE_PREFIX.get(feature)
+    if stable_prefix is None:  # a passthrough endpoint: no prompt to key a session, no sub-feature
+        return ParsedRequest(feature, model, stream, frozenset(), None, body)
+    return ParsedRequest(feature, model, stream, _sub_features(body), stable_prefix(body, completions_prefix_chars), body)
 
 
 # orjson reads 1024 levels of nesting but writes fewer (254 in orjson 3.10): a body the provider

@@ -77,13 +77,16 @@ class SessionKeys:
             agent_header=_first(headers, self.settings.agent_session_headers),
         )
 
-    def identity(self, headers: HeaderSignals, request: ParsedRequest) -> str:
-        """The first present identity source, as "<source>:<value>", or "" (anonymous)."""
+    def identity(self, headers: HeaderSignals, request: ParsedRequest | None) -> str:
+        """The first present identity source, as "<source>:<value>", or "" (anonymous).
+        `request` None: a request without a body (a lookup by id), which has no `body` source."""
         for source in self.settings.identity_sources:
             if source is IdentitySource.TRUSTED_HEADER:
                 value = headers.trusted_identity
             elif source is IdentitySource.CREDENTIAL:
                 value = headers.credential_identity
+            elif request is None:
+                value = None
             else:
                 value = _body_string(request, "safety_identifier") or _body_string(request, "user")
             if value:

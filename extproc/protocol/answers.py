@@ -102,3 +102,20 @@ def internal_error() -> ProcessingResponse:
     """The last resort's generic 500 (code internal_error): no internal text reaches the client."""
     metrics.REJECTIONS.labels("internal_error", "").inc()
     return msg.internal_error()
+
+
+def response_not_found(response_id: str) -> ProcessingResponse:
+    """A stored response the router has no record of for this client (unknown, expired, deleted,
+    `store: false`, or another identity's): 404 `response_not_found`, as a provider that lacks it
+    would answer, without asking one."""
+    return request_error(RequestError(404, f"no response with id '{response_id[:100]}' was found", "response_not_found"))
+
+
+def response_provider_gone(provider: str, retry_after_seconds: int) -> ProcessingResponse:
+    """A stored response whose provider the configuration no longer routes to: 503
+    `no_provider_available` with `retry-after` (the provider may come back with a reload)."""
+    code = "no_provider_available"
+    metrics.REJECTIONS.labels(code, "").inc()
+    message = f"the response is stored on provider {provider}, which this gateway does not route to now"
+    body = msg.openai_error_body(message, "service_unavailable", code)
+    return msg.immediate_json(503, body, {"retry-after": str(retry_after_seconds)}, metadata={"code": code})

@@ -25,7 +25,7 @@ class LiveConfig:
     """What a request reads of the routing config, built from one Config: the config itself, the
     routing state (limits and timings for the scripts), the router, the request adapter (API keys
     read), the session keys and Responses chains, the set of model names and the `GET /v1/models`
-    answer."""
+    answer, the passthrough endpoints and the models a stored response may belong to."""
 
     config: Config
     state: RoutingState
@@ -35,6 +35,8 @@ class LiveConfig:
     chains: ResponseChains
     models: frozenset[str]
     model_list: bytes
+    passthrough: dict[str, str]  # passthrough endpoint path -> its feature
+    responses_models: tuple[str, ...]  # the models some provider serves with `responses`: where a response id may live
 
 
 def build_live(config: Config, redis: Redis, degraded: DegradedFlags, secret: bytes) -> LiveConfig:
@@ -44,4 +46,6 @@ def build_live(config: Config, redis: Redis, degraded: DegradedFlags, secret: by
     return LiveConfig(
         config, state, Router(config, state, degraded), RequestAdapter(config), SessionKeys(config, secret),
         ResponseChains(redis, config, secret), frozenset(config.models()), msg.model_list_body(config.models(), int(time.time())),
+        {e.path: e.feature for e in config.passthrough_endpoints},
+        tuple(m for m in config.models() if any(p.supports(m, "responses") for p in config.providers_for(m))),
     )

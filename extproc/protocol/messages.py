@@ -35,6 +35,7 @@ ROUTER_ERROR_CODES = frozenset({
     "unknown_url", "method_not_allowed", "missing_body", "invalid_header", "request_too_large", "invalid_json",
     "missing_model", "invalid_type", "model_not_found", "unsupported_feature", "capacity_exceeded",
     "routing_overloaded", "no_provider_available", "routing_unavailable", "previous_response_unavailable", "internal_error",
+    "response_not_found",
 })
 ENVOY_ERROR_CODES = frozenset({
     "request_too_large", "headers_too_large", "request_timeout", "upstream_timeout", "upstream_unavailable",
@@ -135,14 +136,27 @@ def route_to_cluster(
     return with_metadata(ProcessingResponse(request_body=BodyResponse(response=common)), metadata)
 
 
-def continue_response_headers(
-    extra_headers: dict[str, str] | None = None, read_body: str | None = None
+def route_headers_to_cluster(
+    routing_header: str, cluster: str, extra_headers: dict[str, str] | None = None, remove: list[str] | None = None,
+    metadata: dict[str, str | float] | None = None,
 ) -> ProcessingResponse:
-    """Let the response headers through, adding `extra_headers` if any. `read_body` ("BUFFERED"
-    or "STREAMED") asks Envoy to send this response's body too, by a mode override that keeps
-    every other phase as envoy/envoy.yaml configures it (and that its allowed_override_modes
-    lists): only /v1/responses answers pay for that (extproc.openai_api.chains)."""
-    common = CommonResponse(header_mutation=header_mutation(extra_headers)) if extra_headers else CommonResponse()
+    """The request-headers answer that routes a request without a body (a stored response by id):
+    as `route_to_cluster`, in the headers phase, which is the last Envoy sends such a request."""
+    common = CommonResponse(clear_route_cache=True)
+    common.header_mutation.CopyFrom(header_mutation({routing_header: cluster, **(extra_headers or {})}, remove))
+    return with_metadata(ProcessingResponse(request_headers=HeadersResponse(response=common)), metadata)
+
+
+def continue_response_headers(
+    extra_headers: dict[str, str] | None = None, read_body: str | None = None, remove: list[str] | None = None
+) -> ProcessingResponse:
+    """Let the response headers through, adding `extra_headers` and removing `remove` if any.
+    `read_body` ("BUFFERED" or "STREAMED") asks Envoy to send this response's body too, by a mode
+    override that keeps every other phase as envoy/envoy.yaml configures it (and that its
+    allowed_override_modes lists): only /v1/responses answers (extproc.openai_api.chains) and
+    answers whose model name is rewritten (extproc.openai_api.renaming) pay for that."""
+    mutated = extra_headers or remove
+    common = CommonResponse(header_mutation=header_mutation(extra_headers, remove)) if mutated else CommonResponse()
     response = ProcessingResponse(response_headers=HeadersResponse(response=common))
     if read_body is not None:
         response.mode_override.CopyFrom(processing_mode(read_body))
@@ -165,8 +179,19 @@ def continue_request_body() -> ProcessingResponse:
     return ProcessingResponse(request_body=BodyResponse(response=CommonResponse()))
 
 
-def continue_response_body() -> ProcessingResponse:
-    return ProcessingResponse(response_body=BodyResponse(response=CommonResponse()))
+def continue_response_body(body: bytes | None = None, content_length: bool = False) -> ProcessingResponse:
+    """Let a response body chunk through, replaced by `body` when given; `content_length`: set
+    `content-length` to its length too (a BUFFERED body, whose headers Envoy still holds: a
+    length that no longer matches the body would fail the answer)."""
+    common = CommonResponse()
+    if body is not None:
+        if body:
+            common.body_mutation.body = body
+        else:
+            common.body_mutation.clear_body = True
+        if content_length:
+            common.header_mutation.CopyFrom(header_mutation({"content-length": str(len(body))}))
+    return ProcessingResponse(response_body=BodyResponse(response=common))
 
 
 def continue_request_trailers() -> ProcessingResponse:

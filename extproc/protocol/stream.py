@@ -31,11 +31,14 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingRequest, 
 from extproc import metrics
 from extproc.config import Config, Provider
 from extproc.openai_api.chains import ChainLink, ResponseChains, ResponseIdReader
-from extproc.openai_api.request import ParsedRequest, RequestError, feature_for_path, parse_request
+from extproc.openai_api.renaming import ModelNameRewriter
+from extproc.openai_api.request import ParsedRequest, RequestError, feature_for_path, parse_request, response_lookup
 from extproc.openai_api.sessions import HeaderSignals, SessionKeys, previous_response_id
 from extproc.protocol import answers
 from extproc.protocol import messages as msg
 from extproc.protocol.live import LiveConfig
+from extproc.protocol.lookups import REASON as LOOKUP_REASON
+from extproc.protocol.lookups import RoutedLookup, route_lookup
 from extproc.routing.lease_table import Held, LeaseTable, Refusal
 from extproc.routing.outage import RedisBreaker
 from extproc.routing.router import Decision, Rejection, RejectionKind, RoutingRequest
@@ -71,6 +74,9 @@ class StreamState:
     status: int | None = None
     reader: ResponseIdReader | None = None
     response_id: str | None = None  # the Responses answer's id, once recorded as a chain
+    upstream_model: str | None = None  # the provider's name of the model, to rewrite in the answer
+    rewriter: ModelNameRewriter | None = None
+    lookup: RoutedLookup | None = None  # a stored response by id, routed in the headers phase
     ended: bool = False
 
     @property
@@ -148,7 +154,7 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
     async def _handle(self, stream: StreamState, request: ProcessingRequest) -> ProcessingResponse | None:
         phase = request.WhichOneof("request")
         if phase == "request_headers":
-            return self._on_request_headers(stream, request)
+            return await self._on_request_headers(stream, request)
         if phase == "request_body":
             return await self._on_request_body(stream, request)
         if phase == "response_headers":
@@ -161,7 +167,7 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
             return msg.continue_request_trailers()
         return None
 
-    def _on_request_headers(self, stream: StreamState, request: ProcessingRequest) -> ProcessingResponse:
+    async def _on_request_headers(self, stream: StreamState, request: ProcessingRequest) -> ProcessingResponse:
         headers = msg.header_map(request.request_headers)
         stream.path = headers.get(":path", "")
         stream.method = headers.get(":method", "")
@@ -169,7 +175,14 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
         try:
             if answers.is_models_path(stream.path):
                 return answers.models(stream.method, stream.path, self.live.model_list, self.live.models)
-            feature_for_path(stream.path)
+            lookup = response_lookup(stream.method, stream.path)
+            if lookup is not None:  # no body follows, or one that is passed on as it is
+                stream.identity = self.sessions.identity(stream.signals, None)
+                answer, stream.lookup = await route_lookup(
+                    self.live, self.breaker, lookup, stream.identity, self._routing_header, self._client_may_not_send
+                )
+                return answer
+            feature_for_path(stream.path, self.live.passthrough)
             if stream.method != "POST":
                 raise RequestError(405, f"method {stream.method[:20]!r} is not allowed here: use POST", "method_not_allowed")
             if request.request_headers.end_of_stream:
@@ -183,12 +196,15 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
         return msg.continue_request_headers(remove=self._client_may_not_send)
 
     async def _on_request_body(self, stream: StreamState, request: ProcessingRequest) -> ProcessingResponse:
+        if stream.lookup is not None:  # routed with its headers
+            return msg.continue_request_body()
         body = request.request_body.body
         live = self.live
         try:
             if len(body) > live.config.server.max_body_bytes:
                 raise answers.too_large(live.config.server.max_body_bytes)
-            parsed = parse_request(feature_for_path(stream.path), body, live.config.session.completions_prefix_chars)
+            feature = feature_for_path(stream.path, live.passthrough)
+            parsed = parse_request(feature, body, live.config.session.completions_prefix_chars)
             if parsed.model not in live.models:
                 raise RequestError(404, f"the model '{parsed.model[:200]}' does not exist", "model_not_found", param="model")
         except RequestError as exc:
@@ -211,6 +227,8 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
         decision = outcome.decision
         metrics.DECISIONS.labels(decision.provider.name, decision.provider.kind.value, parsed.model, decision.reason.value).inc()
         stream.model = parsed.model
+        if live.config.adaptation.restore_model_name:
+            stream.upstream_model = live.adapter.upstream_model(decision.provider, parsed.model)
         change = live.adapter.adapt(decision.provider, parsed.model, parsed.body, routing_request.session_id)
         metadata = {"provider": decision.provider.name, "reason": decision.reason.value, "decision_ms": decision_ms}
         return msg.route_to_cluster(
@@ -279,24 +297,56 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
                 self.observer.observe(decision.provider, stream.model, stream.status)
             if self.config.server.expose_routing_headers:
                 extra |= {"x-iris-provider": decision.provider.name, "x-iris-route-reason": decision.reason.value}
-        read_body = None
-        readable = stream.decision is not None and stream.reads_response_id and not self.breaker.is_open
-        if readable and 200 <= stream.status < 300:  # a Responses answer: its other headers count too
+        elif stream.lookup is not None:
+            await self._on_lookup_answer(stream)
+            if self.config.server.expose_routing_headers:
+                extra |= {"x-iris-provider": stream.lookup.provider.name, "x-iris-route-reason": LOOKUP_REASON}
+        read_body, remove = None, None
+        reads_id = stream.decision is not None and stream.reads_response_id and not self.breaker.is_open
+        if (reads_id or stream.upstream_model is not None) and 200 <= stream.status < 300:  # its other headers count too
             headers = msg.header_map(request.response_headers)
             event_stream = headers.get("content-type", "").startswith("text/event-stream")
-            if not headers.get("content-encoding"):  # a compressed body is not read: no chain recorded
-                stream.reader = ResponseIdReader(event_stream)
+            if not headers.get("content-encoding"):  # a compressed body is neither read nor rewritten
+                if reads_id:
+                    stream.reader = ResponseIdReader(event_stream)
+                if stream.upstream_model is not None:
+                    stream.rewriter = ModelNameRewriter(stream.upstream_model, stream.model, event_stream)
+                    remove = ["content-length"] if event_stream else None  # chunks may change length
                 read_body = "STREAMED" if event_stream else "BUFFERED"
-        return msg.continue_response_headers(extra or None, read_body)
+        return msg.continue_response_headers(extra or None, read_body, remove)
+
+    async def _on_lookup_answer(self, stream: StreamState) -> None:
+        """A lookup's answer: after a delete the provider answered 2xx, the chain record goes too;
+        a retrieved (or cancelled) response names the model as the client does."""
+        routed = stream.lookup
+        if not 200 <= stream.status < 300:
+            return
+        stream.model = routed.model
+        if routed.lookup.action in ("retrieve", "cancel"):  # answered with the response object
+            stream.upstream_model = routed.upstream_model
+        elif routed.lookup.action == "delete":
+            try:
+                await in_own_task(self.chains.forget(routed.model, routed.identity, routed.lookup.response_id))
+            except REDIS_FAILURES as exc:
+                self.breaker.record_failure(exc)
+                log.warning("response chain not forgotten after a delete (redis): %s", exc)
 
     async def _on_response_body(self, stream: StreamState, request: ProcessingRequest) -> ProcessingResponse:
-        """Only /v1/responses answers come here: record the response id once it is seen."""
+        """Only /v1/responses answers and answers to rewrite come here: record the response id once
+        it is seen; put the client's model name in place of the provider's."""
+        chunk, end = request.response_body.body, request.response_body.end_of_stream
         reader = stream.reader
         if reader is not None and not reader.done:
-            response_id = reader.feed(request.response_body.body, request.response_body.end_of_stream)
+            response_id = reader.feed(chunk, end)
             if response_id is not None:
                 await self._record_chain(stream, response_id)
-        return msg.continue_response_body()
+        rewriter = stream.rewriter
+        if rewriter is None:
+            return msg.continue_response_body()
+        rewritten = rewriter.feed(chunk, end)
+        if rewritten is chunk:
+            return msg.continue_response_body()
+        return msg.continue_response_body(rewritten, content_length=not rewriter.event_stream)
 
     async def _record_chain(self, stream: StreamState, response_id: str) -> None:
         """Before the client can see the id: so a next turn through any instance finds it."""

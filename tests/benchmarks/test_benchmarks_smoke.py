@@ -148,6 +148,18 @@ def write_small_trace(path: Path) -> Path:
     return path
 
 
+def test_model_rename_prints_every_figure(tmp_path):
+    """The answers were checked to name the client's model (the bench raises otherwise); the
+    rewrite costs the messages it should: one more for JSON, at least one more for a stream."""
+    figures, result = run_bench("model_rename", tmp_path)
+    names = [f"rename_{kind}_{what}" for kind in ("json", "stream") for what in ("extproc_ms_per_request", "envoy_ms_per_request", "extra_messages")]
+    assert_numbers(figures, names + ["rename_stream_extproc_us_per_message"])
+    phases = result["phases"]
+    assert phases["json_plain"]["messages_per_request"] == phases["stream_plain"]["messages_per_request"] == 3
+    assert phases["json_renamed"]["messages_per_request"] == 4 and phases["stream_renamed"]["messages_per_request"] > 4
+    assert set(names) <= report_again("model_rename", tmp_path)
+
+
 def test_oracle_counts_leading_blocks_seen_before():
     def request(*blocks):
         return TraceRequest(0.0, "u", tuple(blocks), 1, b"")

@@ -563,3 +563,73 @@ def test_decode_slows_with_the_batch() -> None:
     config = SimulatorConfig(name="sim", per_token_ms=10, decode_ms_per_running_seq=2.5)
     assert [decode_token_ms(config, running) for running in (0, 1, 2, 5)] == [10, 10, 12.5, 20]
     assert decode_token_ms(SimulatorConfig(name="sim", per_token_ms=4), 9) == 4
+
+
+@pytest.mark.asyncio
+async def test_stored_responses_are_served_by_id_through_the_openai_sdk() -> None:
+    """retrieve, input_items.list and delete as the openai SDK calls them; a deleted response
+    can no longer be chained; an id held elsewhere is a 404 `response_not_found`."""
+    import openai
+
+    async with running() as (simulator, _), running() as (other, _):
+        client = openai.AsyncOpenAI(base_url=f"{simulator.url}/v1", api_key="unused", max_retries=0)
+        elsewhere = openai.AsyncOpenAI(base_url=f"{other.url}/v1", api_key="unused", max_retries=0)
+        try:
+            created = await client.responses.create(model=MODEL, input=[{"role": "user", "content": "a b"}], max_output_tokens=2)
+            found = await client.responses.retrieve(created.id)
+            assert (found.id, found.status, found.output_text, found.model) == (created.id, "completed", "tok0 tok1", MODEL)
+            items = await client.responses.input_items.list(created.id)
+            assert [(item.type, item.role, item.content[0].text) for item in items.data] == [("message", "user", "a b")]
+            with pytest.raises(openai.NotFoundError) as missing:
+                await elsewhere.responses.retrieve(created.id)
+            assert missing.value.code == "response_not_found"
+            await client.responses.delete(created.id)
+            with pytest.raises(openai.NotFoundError):
+                await client.responses.retrieve(created.id)
+            with pytest.raises(openai.NotFoundError):
+                await client.responses.create(model=MODEL, input="c", previous_response_id=created.id)
+        finally:
+            await client.close()
+            await elsewhere.close()
+    lookups = simulator.state.response_lookups
+    assert lookups == {"retrieve": 2, "input_items": 1, "delete": 1} and simulator.state.requests == 2
+
+
+@pytest.mark.asyncio
+async def test_a_background_response_is_queued_then_completes_or_is_cancelled() -> None:
+    import openai
+
+    async with running(ttft_ms=0, per_token_ms=200) as (simulator, _):
+        client = openai.AsyncOpenAI(base_url=f"{simulator.url}/v1", api_key="unused", max_retries=0)
+        try:
+            quick = await client.responses.create(model=MODEL, input="a", max_output_tokens=1, background=True)
+            assert quick.status == "queued" and quick.background
+            for _ in range(100):
+                if (done := await client.responses.retrieve(quick.id)).status == "completed":
+                    break
+                await asyncio.sleep(0.05)
+            assert done.status == "completed" and done.output_text == "tok0"
+            slow = await client.responses.create(model=MODEL, input="a", max_output_tokens=50, background=True)
+            cancelled = await client.responses.cancel(slow.id)
+            assert cancelled.status == "cancelled" and (await client.responses.retrieve(slow.id)).status == "cancelled"
+            with pytest.raises(openai.BadRequestError):  # a synchronous response cannot be cancelled
+                await client.responses.cancel((await client.responses.create(model=MODEL, input="b")).id)
+        finally:
+            await client.close()
+
+
+@pytest.mark.asyncio
+async def test_engine_endpoints_tokenize_detokenize_rerank_and_score() -> None:
+    async with running() as (_, http):
+        status, tokens = await post(http, "/tokenize", {"model": MODEL, "prompt": "the cat saw the dog"})
+        assert status == 200 and tokens["tokens"] == [0, 1, 2, 0, 3] and tokens["count"] == 5
+        status, text = await post(http, "/detokenize", {"model": MODEL, "tokens": [3, 1]})
+        assert (status, text) == (200, {"prompt": "dog cat"})
+        status, ranked = await post(http, "/v1/rerank", {"model": MODEL, "query": "red fox", "documents": ["blue", "red fox", "red"]})
+        assert status == 200 and ranked["model"] == MODEL
+        assert [(r["index"], r["relevance_score"]) for r in ranked["results"]] == [(1, 1.0), (2, 0.5), (0, 0.0)]
+        status, scored = await post(http, "/v1/score", {"model": MODEL, "text_1": "a b", "text_2": ["a", "c"]})
+        assert status == 200 and [d["score"] for d in scored["data"]] == [0.5, 0.0]
+        status, error = await post(http, "/detokenize", {"model": MODEL, "tokens": [99]})
+        assert status == 400 and error["error"]["type"] == "invalid_request_error"
+        assert (await stats(http))["requests"] == 5

@@ -133,6 +133,36 @@ def test_the_ext_proc_filter_must_be_allowed_to_remove_envoys_own_headers():
     assert envoy_check.check(parse_config(data), bootstrap) == []  # no x-envoy-* header to remove: no rule needed
 
 
+def test_the_ext_proc_filter_must_allow_the_response_body_overrides_the_server_asks_for():
+    """Without them Envoy ignores the server's mode override: no Responses chain is recorded and
+    no model name rewritten, silently. The expected modes are the ones the server builds."""
+    from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
+    from google.protobuf.json_format import ParseDict
+
+    from extproc.protocol.messages import processing_mode
+
+    for body in ("NONE", *envoy_check.OVERRIDE_BODY_MODES):
+        expected = ParseDict({**envoy_check.PROCESSING_MODE, "response_body_mode": body}, ProcessingMode())
+        assert expected == processing_mode(body)
+    config = parse_config(example())
+    bootstrap = yaml.safe_load(ENVOY.read_text())
+    ext_proc = next(f for f in manager_of(bootstrap)["http_filters"] if f["name"] == "envoy.filters.http.ext_proc")["typed_config"]
+    shipped = list(ext_proc["allowed_override_modes"])
+    ext_proc["allowed_override_modes"] = shipped[:1]
+    assert envoy_check.check(config, bootstrap) == [
+        "envoy.yaml: the ext_proc filter's allowed_override_modes lack the processing mode with response_body_mode "
+        "STREAMED (the rest as envoy/envoy.yaml's processing_mode)"
+    ]
+    ext_proc["allowed_override_modes"] = []  # Envoy then allows any override
+    assert envoy_check.check(config, bootstrap) == []
+    ext_proc["allowed_override_modes"] = [{k: v for k, v in m.items() if k != "request_trailer_mode"} for m in shipped]
+    assert envoy_check.check(config, bootstrap) == []  # SKIP is Envoy's default
+    del ext_proc["allow_mode_override"]
+    assert envoy_check.check(config, bootstrap) == [
+        "envoy.yaml: the ext_proc filter must set allow_mode_override: true (Responses chains, model names in answers)"
+    ]
+
+
 def test_a_pool_needs_a_consistent_hash_cluster_and_the_routes_hash_policy():
     """A managed provider keeps its sessions' replica by hash (the default affinity): its cluster
     must balance by consistent hash and the route must hash on server.affinity_header."""

@@ -122,3 +122,34 @@ def test_the_epoch_grace_outlasts_what_every_instance_takes_to_see_a_new_epoch()
         "redis.epoch_grace_seconds: must exceed probe_interval_seconds and instance_heartbeat_seconds (1), "
         "the time every instance takes to see a new epoch"
     ]
+
+
+def test_passthrough_endpoints_default_to_vllms_and_their_features_are_known():
+    config = parse_config(small_config_data(providers=[
+        {"name": "iris-1", "kind": "managed", "cluster": "iris-1", "models": {"m": {"features": ["chat", "tokenize", "rerank"]}}},
+    ]))
+    assert {(e.path, e.feature) for e in config.passthrough_endpoints} == {
+        ("/tokenize", "tokenize"), ("/detokenize", "detokenize"), ("/v1/rerank", "rerank"), ("/v1/score", "score")}
+    assert config.adaptation.restore_model_name is True
+    only = parse_config(small_config_data(
+        passthrough_endpoints=[{"path": "/v2/rerank", "feature": "rerank2"}],
+        providers=[{"name": "iris-1", "kind": "managed", "cluster": "iris-1", "models": {"m": {"features": ["rerank2"]}}}],
+    ))
+    assert only.passthrough_features() == {"rerank2"}  # a passthrough feature alone serves the model
+
+
+def test_passthrough_endpoints_cannot_take_openais_paths_or_features():
+    data = small_config_data(passthrough_endpoints=[
+        {"path": "/tokenize", "feature": "tokenize"}, {"path": "/tokenize", "feature": "tok"},
+        {"path": "/v1/responses/x", "feature": "x"}, {"path": "/v1/models", "feature": "y"},
+        {"path": "/rerank", "feature": "chat"},
+    ])
+    data["providers"][0]["models"]["m"]["features"] = ["chat", "score"]  # not listed any more: unknown
+    found = problems(data)
+    assert "passthrough_endpoints: path '/tokenize' is listed twice" in found
+    assert "passthrough_endpoints[2].path: '/v1/responses/x' is one of OpenAI's paths the router serves" in found
+    assert "passthrough_endpoints[3].path: '/v1/models' is one of OpenAI's paths the router serves" in found
+    assert "passthrough_endpoints[4].feature: 'chat' is already a feature of OpenAI's API" in found
+    assert "providers[0].models.m.features: unknown feature(s) ['score']" in found
+    bad_path = problems(small_config_data(passthrough_endpoints=[{"path": "tokenize?x", "feature": "t"}]))
+    assert bad_path == ["passthrough_endpoints[0].path: must match ^/[A-Za-z0-9._~-]+(/[A-Za-z0-9._~-]+)*$"]

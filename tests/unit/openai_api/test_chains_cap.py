@@ -42,3 +42,18 @@ async def test_a_refresh_keeps_the_record_and_a_gone_one_stays_gone(redis_client
     await bounded.refresh("m", "alice", "never_recorded")
     assert await bounded.lookup("m", "alice", "never_recorded") is None
     assert await redis_client.zcard(bounded.keys.response_chains("m")) == 1
+
+
+async def test_find_looks_under_every_model_and_forget_frees_the_place(redis_client, redis_url):
+    """A request by id names no model: `find` asks every model at once; `forget` (after a
+    delete) removes the record and its place under the cap."""
+    bounded = chains(redis_client, redis_url, cap=1)
+    link = ChainLink("session", "iris-2")
+    assert await bounded.record("e", "alice", "resp_1", link)
+    assert await bounded.find("alice", "resp_1", ["m", "e"]) == ("e", link)
+    assert await bounded.find("bob", "resp_1", ["m", "e"]) is None  # another identity finds nothing
+    assert await bounded.find("alice", "resp_1", ["m"]) is None and await bounded.find("alice", "resp_1", []) is None
+    assert not await bounded.record("e", "alice", "resp_2", link)  # the cap of 1 is taken
+    await bounded.forget("e", "alice", "resp_1")
+    assert await bounded.find("alice", "resp_1", ["m", "e"]) is None
+    assert await bounded.record("e", "alice", "resp_2", link)  # its place is free again

@@ -1,0 +1,77 @@
+"""Requests for a stored response by id: `GET` and `DELETE /v1/responses/{id}`, `GET
+/v1/responses/{id}/input_items`, `POST /v1/responses/{id}/cancel` (docs/endpoints.md).
+
+They carry no body (Envoy sends the request headers with end_of_stream), so they are routed in the
+request-headers answer: to the provider that stores the response, found in its chain record
+(extproc.openai_api.chains) under the client's identity, with the session's affinity key so a
+pool sends it to the replica that holds the response. A request whose identity has no record of
+the id gets 404 `response_not_found` from the router, never a provider's 404 from elsewhere.
+
+A lookup takes no in-flight slot and holds no lease: it generates nothing, and a poll of a
+background response must not wait behind (or crowd out) generations. It goes to the storing
+provider whatever that provider's state (drained or degraded pairs still hold their responses);
+only a provider the configuration no longer routes to is refused (503).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingResponse
+
+from extproc import metrics
+from extproc.config import Provider
+from extproc.openai_api.request import ResponseLookup
+from extproc.protocol import answers
+from extproc.protocol import messages as msg
+from extproc.protocol.live import LiveConfig
+from extproc.routing.lease_table import Refusal
+from extproc.routing.outage import RedisBreaker
+from extproc.storage.client import REDIS_FAILURES, in_own_task
+
+REASON = "response_lookup"  # the access log's `reason` (and x-iris-route-reason) of a lookup
+
+
+@dataclass(frozen=True, slots=True)
+class RoutedLookup:
+    """A lookup sent to `provider`: the stored response's `model` (the client's name), the
+    client's `identity`, and `upstream_model` when the provider names the model its own way and
+    answers are to carry the client's name."""
+
+    lookup: ResponseLookup
+    provider: Provider
+    model: str
+    identity: str
+    upstream_model: str | None
+
+
+async def route_lookup(
+    live: LiveConfig, breaker: RedisBreaker, lookup: ResponseLookup, identity: str, routing_header: str, remove: list[str]
+) -> tuple[ProcessingResponse, RoutedLookup | None]:
+    """The request-headers answer for `lookup` by `identity`: routed to the provider that stores
+    the response (with the RoutedLookup), or the router's own error (and None): 404
+    `response_not_found`, 503 `no_provider_available`, 503 `routing_unavailable` while Redis
+    cannot be asked. `remove`: headers a client may not send (the routing header's own copy)."""
+    retry_after = live.config.server.retry_after_seconds
+    if breaker.is_open:
+        return answers.refusal(Refusal.UNAVAILABLE, "", retry_after, 0.0), None
+    try:
+        found = await in_own_task(live.chains.find(identity, lookup.response_id, live.responses_models))
+        breaker.record_success()
+    except REDIS_FAILURES as exc:
+        breaker.record_failure(exc)
+        return answers.refusal(Refusal.UNAVAILABLE, "", retry_after, 0.0), None
+    if found is None or found[1].provider is None:  # unknown, expired, another identity's, or not stored
+        return answers.response_not_found(lookup.response_id), None
+    model, link = found
+    provider = next((p for p in live.config.providers_for(model) if p.name == link.provider), None)
+    if provider is None:
+        return answers.response_provider_gone(link.provider, retry_after), None
+    change = live.adapter.adapt(provider, model, None, link.session_id)
+    upstream = live.adapter.upstream_model(provider, model) if live.config.adaptation.restore_model_name else None
+    metadata = {"provider": provider.name, "reason": REASON}
+    overwritten = {routing_header, *change.set_headers}  # set below, over any copy a client sent
+    removed = [h for h in remove if h not in overwritten] + change.remove
+    answer = msg.route_headers_to_cluster(routing_header, change.cluster, change.set_headers, removed, metadata)
+    metrics.RESPONSE_LOOKUPS.labels(lookup.action).inc()
+    return answer, RoutedLookup(lookup, provider, model, identity, upstream)
