@@ -132,6 +132,10 @@ async def test_undrain_of_a_pair_not_drained_says_so(tmp_path, redis_client, red
     config = write(tmp_path / "routing.yaml", small_config_data(redis_url))
     assert await main("undrain", "iris-2", "--config", config) == 0
     assert capsys.readouterr().out == "iris-2 m was not drained\n"
+    elsewhere = write(tmp_path / "elsewhere.yaml", small_config_data("redis://127.0.0.1:1/0"))  # --redis-url wins
+    assert await main("drain", "iris-2", "--config", elsewhere, "--redis-url", redis_url) == 0
+    assert await main("undrain", "iris-2", "--config", config) == 0
+    assert capsys.readouterr().out == "drained iris-2 m\nundrained iris-2 m\n"
     assert await main("drain", "iris-2", "--config", config) == 0
     assert await main("undrain", "iris-2", "--config", config) == 0
     assert capsys.readouterr().out == "drained iris-2 m\nundrained iris-2 m\n"
@@ -201,3 +205,11 @@ def test_status_needs_a_file_or_a_redis_url():
     result = run("status")
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.strip() == "iris-extproc: status needs --config or --redis-url (or IRIS_CONFIG, IRIS_REDIS_URL)"
+
+
+def test_drain_without_redis_is_one_line(tmp_path):
+    config = write(tmp_path / "routing.yaml", small_config_data("redis://127.0.0.1:1/0"))
+    result = run("drain", "iris-2", "--config", config)
+    assert result.returncode == 1 and result.stdout == "" and "Traceback" not in result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("iris-extproc: cannot reach Redis at 127.0.0.1:1: ")

@@ -37,13 +37,15 @@ def test_server_info_without_a_version_is_an_error(info):
 
 
 def test_the_minimum_is_the_newest_feature_used():
-    assert MINIMUM_ENVOY == (1, 34)
-    assert version_problem((1, 34, 0)) is None and version_problem((1, 40, 0)) is None and version_problem((2, 0, 0)) is None
-    assert version_problem((1, 33, 9)) == (
-        "Envoy 1.33.9 is older than 1.34, the oldest that runs envoy/envoy.yaml; it lacks the access log's %PATH(NQ)% (1.34)"
+    assert MINIMUM_ENVOY == (1, 37)
+    assert version_problem((1, 37, 0)) is None and version_problem((1, 40, 0)) is None and version_problem((2, 0, 0)) is None
+    assert version_problem((1, 36, 2)) == (
+        "Envoy 1.36.2 is older than 1.37, the oldest that runs envoy/envoy.yaml; it lacks ext_proc on Envoy's own reply to a "
+        "refused connection (the connect degradation) (1.37)"
     )
+    assert "the access log's %PATH(NQ)% (1.34)" in version_problem((1, 33, 9))
     problem = version_problem((1, 29, 3))
-    assert problem.startswith("Envoy 1.29.3 is older than 1.34")
+    assert problem.startswith("Envoy 1.29.3 is older than 1.37")
     assert all(f"({major}.{minor})" in problem for major, minor, _ in FEATURES)  # everything newer than 1.29 is named
 
 
