@@ -5,22 +5,26 @@
     iris-lab up --config F --real-providers      Redis, Envoy and ext_proc only, in front of the
                                                  providers' `endpoints` (your own engines)
 
-`./dev up` and `./dev demo` run it. The production command is `iris-extproc` (extproc.cli).
+`up` prints the client URL, the routing config it runs, the metrics URL and Envoy's admin
+address, and removes its work directory (logs, generated files) when it stops, unless
+`--keep-work-dir`. `./dev up` and `./dev demo` run it. The global options (`--log-level`,
+IRIS_LOG_LEVEL) are `iris-extproc`'s. The production command is `iris-extproc` (extproc.cli).
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
+import shutil
 import signal
 import sys
 from pathlib import Path
 
 import yaml
 
-from extproc.cli import PairDisagrees, check_pair, run_command
+from extproc.cli import EnvironmentDefaults, PairDisagrees, check_pair, environment_defaults, new_parser, run_command
 from extproc.config import load_config
 from extproc.config.examples import envoy_yaml, example_config
+from extproc.operations import logs
 from irislab.demo import run_demo
 from irislab.local_gateway import LocalGateway, ProviderSimulation
 from irislab.processes import ProcessError
@@ -28,24 +32,28 @@ from irislab.processes import ProcessError
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit code (2 for a routing config or Envoy file that cannot be
-    used, 1 when the gateway did not start)."""
-    args = _parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    used or a bad environment variable, 1 when the gateway did not start)."""
+    defaults = environment_defaults("iris-lab")
+    if defaults is None:
+        return 2
+    args = _parser(defaults).parse_args(argv)
+    logs.configure(args.log_level, args.log_format)
     return run_command("iris-lab", args.func, args)
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="iris-lab", description="a whole iris-extproc gateway on this machine")
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    commands = parser.add_subparsers(required=True, dest="command")
-    up = commands.add_parser("up", help="start a local gateway: Redis, Envoy, ext_proc and simulated providers")
-    up.add_argument("--config", help="routing config (default: envoy/example-config.yaml)")
-    up.add_argument("--envoy", help="Envoy file (default: envoy/envoy.yaml); its ports are moved onto free ones")
+def _parser(defaults: EnvironmentDefaults | None = None) -> argparse.ArgumentParser:
+    parser, command = new_parser("iris-lab", "a whole iris-extproc gateway on this machine", defaults or EnvironmentDefaults())
+    up = command("up", "start a local gateway: Redis, Envoy, ext_proc and simulated providers")
+    up.add_argument("--config", metavar="PATH", help="routing config (default: envoy/example-config.yaml)")
+    up.add_argument("--envoy", metavar="PATH", help="Envoy file (default: envoy/envoy.yaml); its ports are moved onto free ones")
     up.add_argument("--demo", action="store_true", help="drive a multi-turn conversation through it, then keep running")
     up.add_argument("--exit-after-demo", action="store_true", help="with --demo: stop once the conversation is done")
     up.add_argument("--real-providers", action="store_true",
                     help="reach every provider that has `endpoints` in the config there (no simulator), through the Envoy "
                          "bootstrap `iris-extproc envoy-config` renders")
+    up.add_argument("--keep-work-dir", action="store_true",
+                    help="leave the work directory (logs, the routing config copy, the Envoy file) when the gateway stops; "
+                         "without it, it is removed (it is kept when the gateway fails to start)")
     up.set_defaults(func=_up)
     return parser
 
@@ -62,23 +70,31 @@ def _up(args) -> int:
             return 2
     data = yaml.safe_load(open(config_path, encoding="utf-8"))
     simulation = ProviderSimulation(ttft_ms=30, per_token_ms=10, block_tokens=16)
+    gateway = LocalGateway(config_data=data, default_simulation=simulation, envoy_source=Path(envoy_path),
+                           real_providers=args.real_providers)
     try:
-        gateway = LocalGateway(config_data=data, default_simulation=simulation, envoy_source=Path(envoy_path),
-                               real_providers=args.real_providers).__enter__()
-    except ProcessError as exc:  # __enter__ stopped whatever it had started
-        print(f"iris-lab: the local gateway did not start, everything it started is stopped: {exc}", file=sys.stderr)
+        gateway.__enter__()
+    except ProcessError as exc:  # __enter__ stopped whatever it had started; its logs stay
+        print(f"iris-lab: the local gateway did not start, everything it started is stopped (logs in {gateway.work_dir}): {exc}",
+              file=sys.stderr)
         return 1
     try:
-        print(f"gateway up: {gateway.url}/v1  (Redis {gateway.redis_url}, logs in {gateway.work_dir}, left there on exit)", flush=True)
-        print(f"routing config: {gateway.running[0].config_path} (use it with status, drain, check; edit it to see a hot reload)", flush=True)
+        instance = gateway.running[0]
+        kept = "kept on exit" if args.keep_work_dir else "removed on exit: --keep-work-dir keeps it"
+        print(f"gateway up: {gateway.url}/v1  (Redis {gateway.redis_url}, logs in {gateway.work_dir}, {kept})", flush=True)
+        print(f"routing config: {instance.config_path} (use it with status, drain, check; edit it to see a hot reload)", flush=True)
+        print(f"metrics: {instance.metrics_url}  Envoy admin: http://127.0.0.1:{instance.admin_port} "
+              "(/stats, /clusters, /config_dump, /server_info)", flush=True)
         if args.demo:
-            run_demo(gateway.url, str(gateway.running[0].config_path))
+            run_demo(gateway.url, str(instance.config_path))
             if args.exit_after_demo:
                 return 0
         print("press Ctrl-C to stop", flush=True)
         _wait_for_signal()
     finally:
         gateway.stop()
+        if not args.keep_work_dir:
+            shutil.rmtree(gateway.work_dir, ignore_errors=True)
     return 0
 
 

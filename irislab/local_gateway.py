@@ -139,7 +139,7 @@ class LocalGateway(StartedTogether):
 
     def __post_init__(self):
         self.work_dir = Path(self.work_dir or tempfile.mkdtemp(prefix="iris-gateway-"))
-        self.secret = secrets.token_hex(16)
+        self.secret = secrets.token_hex(32)  # a strong session secret: serve refuses a weak one
         self.redis: ManagedProcess | None = None
         self.providers: dict[str, ManagedProcess] = {}  # each simulated provider's first replica
         self.pools: dict[str, list[ManagedProcess]] = {}  # every replica of each simulated provider

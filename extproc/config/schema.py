@@ -457,7 +457,9 @@ class SessionSettings(_Strict):
     determine_session_id, with the session signals real clients send). The first identity source
     in `identity_sources` that is present wins (none: anonymous), then the first signal in
     `signals` that is present; the session id is a keyed hash of (identity, model, feature class,
-    signal, value).
+    signal, value), keyed by the secret in the variable `secret_env` names: at least 32 random
+    bytes, the same on every instance (`serve` refuses a placeholder, a shorter one or a repeated
+    pattern: docs/operations.md "The session secret").
 
     `max_response_chains`: per model, the Responses chain records kept at most (each lives as long
     as its session's pin can), so Redis memory stays bounded whatever clients send, as pins are

@@ -23,9 +23,10 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
+import orjson
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from extproc.config import Config, ProviderKind
+from extproc.config import Config, ConfigError, ProviderKind, parse_config
 from extproc.routing.degraded import MANUAL, SOURCES, Flag
 from extproc.routing.state import script_body
 from extproc.storage.client import RedisClient
@@ -35,6 +36,11 @@ _INSTANCES_SCRIPT = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 return redis.call('ZCOUNT', KEYS[1], '(' .. now, '+inf')
+"""
+_LIVE_INSTANCE_IDS_SCRIPT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+return redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. now, '+inf')
 """
 
 
@@ -183,6 +189,51 @@ class CachedFleetState:
                 self._read_at = time.monotonic()
                 self.last_read_seconds = self._read_at - started
             return self._state
+
+
+def instance_description(config: Config) -> bytes:
+    """What a running instance advertises beside its heartbeat (extproc.routing.outage.InstanceRegistry):
+    its routing config as JSON, the fields its file set, without `server` and with `redis` reduced
+    to `key_prefix` and `outage_policy`, so no address or credential reaches Redis. About 2.5 kB
+    for envoy/example-config.yaml."""
+    data = config.model_dump(mode="json", exclude_unset=True)
+    data.pop("server", None)
+    data["redis"] = {"key_prefix": config.redis.key_prefix, "outage_policy": config.redis.outage_policy}
+    return orjson.dumps({"config": data})
+
+
+@dataclass(frozen=True, slots=True)
+class RunningInstance:
+    """A live proxy instance as it advertises itself: `config` is the routing config it runs (its
+    `redis` holds only key_prefix and outage_policy), None when its description is missing or
+    unreadable (an instance of a version that writes none, or another schema)."""
+
+    instance_id: str
+    config: Config | None
+    description: bytes | None
+
+
+async def read_running_instances(redis: RedisClient, key_prefix: str) -> list[RunningInstance]:
+    """The live instances under `key_prefix` with what each advertises: two round trips (the
+    live ids at Redis time, then their descriptions). Raises redis.exceptions.RedisError."""
+    keys = Keyspace(key_prefix)
+    ids = [_text(i) for i in await redis.eval(_LIVE_INSTANCE_IDS_SCRIPT, 1, keys.instances())]
+    if not ids:
+        return []
+    async with redis.pipeline(transaction=False) as pipe:
+        for instance_id in ids:
+            pipe.get(keys.instance(instance_id))
+        descriptions = await pipe.execute()
+    return [RunningInstance(i, _described_config(d), d) for i, d in zip(ids, descriptions)]
+
+
+def _described_config(description: bytes | None) -> Config | None:
+    if description is None:
+        return None
+    try:
+        return parse_config(orjson.loads(description)["config"])
+    except (ConfigError, orjson.JSONDecodeError, KeyError, TypeError):
+        return None
 
 
 def _text(value: bytes | str) -> str:

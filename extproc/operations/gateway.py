@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import signal
 import time
 from collections.abc import Callable
@@ -24,9 +23,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from extproc import metrics
 from extproc.config import Config
 from extproc.operations import exporter, grpc_logs
-from extproc.operations.fleet_state import CachedFleetState, FleetStateReader, on_loop
+from extproc.operations.fleet_state import CachedFleetState, FleetStateReader, instance_description, on_loop
 from extproc.operations.health import HealthMonitor
 from extproc.operations.reload import ConfigReloader
+from extproc.operations.session_secret import session_secret
 from extproc.protocol.live import build_live
 from extproc.protocol.stream import ExternalProcessor
 from extproc.routing.degraded import DegradedFlags
@@ -43,19 +43,6 @@ EXT_PROC_SERVICE = external_processor_pb2.DESCRIPTOR.services_by_name["ExternalP
 HEALTH_SERVICES = ("", EXT_PROC_SERVICE)
 
 
-class SecretMissing(RuntimeError):
-    """The session secret's environment variable is not set."""
-
-
-def session_secret(config: Config) -> bytes:
-    """The key of the session-id hash, from the environment variable the config names. Raises
-    SecretMissing: every proxy instance must share the same secret, so none is invented."""
-    value = os.environ.get(config.session.secret_env)
-    if not value:
-        raise SecretMissing(f"set {config.session.secret_env} to the session secret shared by every proxy instance")
-    return value.encode()
-
-
 class Gateway:
     """The running server, wired in one place: the Redis client, the degraded flags, the live
     routing config, the lease table with its outage policy and breaker, the health monitor, the
@@ -69,6 +56,7 @@ class Gateway:
         self.degraded = DegradedFlags(self.redis, config)
         live = build_live(config, self.redis, self.degraded, secret)
         self.registry = InstanceRegistry(self.redis, config.redis.key_prefix, ttl_seconds=config.redis.instance_heartbeat_seconds * 5)
+        self.registry.description = instance_description(config)  # what `iris-extproc status` shows without a file
         self.breaker = RedisBreaker(self.redis, config.redis.breaker_failures_in_a_row)
         self.outage = OutagePolicy(config, live.router, self.registry)
         self.leases = LeaseTable(config, live.state, live.router, self.outage, self.breaker)
@@ -153,6 +141,7 @@ class Gateway:
         self.leases.reconfigure(new, live.state, live.router)
         self.degraded.reconfigure(new)
         self.outage.reconfigure(new, live.router)
+        self.registry.description = instance_description(new)
         if self.fleet_reader is not None:
             self.fleet_reader.reconfigure(new)
         if _health_inputs(old) != _health_inputs(new):
@@ -209,7 +198,7 @@ async def serve(
     turned the file's config into `config` (`serve --workers`: worker i's metrics port), applied
     to every reloaded one too.
 
-    Raises SecretMissing, adaptation.CredentialError."""
+    Raises session_secret.SessionSecretError, adaptation.CredentialError."""
     grpc_logs.quiet_peer_gone_errors()
     gateway = Gateway(config, session_secret(config))
     await gateway.start()

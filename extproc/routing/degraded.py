@@ -103,11 +103,12 @@ class DegradedFlags:
         await self.redis.set(key, reason, px=max(1, round(ttl_seconds * 1000)))
         self._note(provider, model, source, reason)
 
-    async def clear(self, provider: str, model: str, source: str = MANUAL) -> None:
-        """Clear the pair's flag of `source` only. Raises RedisError, or ValueError for an
-        unknown source."""
-        await self.redis.delete(self._key(provider, model, source))
+    async def clear(self, provider: str, model: str, source: str = MANUAL) -> bool:
+        """Clear the pair's flag of `source` only; True when it was set. Raises RedisError, or
+        ValueError for an unknown source."""
+        deleted = await self.redis.delete(self._key(provider, model, source))
         self._note(provider, model, source, None)
+        return bool(deleted)
 
     async def set_many(
         self, pairs: list[tuple[str, str]], reason: str, ttl_seconds: float, source: str

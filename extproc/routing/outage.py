@@ -36,30 +36,41 @@ log = logging.getLogger(__name__)
 
 class InstanceRegistry:
     """Each proxy instance's heartbeat in Redis (a sorted set scored by heartbeat deadline, ms),
-    so every instance knows how many are live: the divisor of the local shares."""
+    so every instance knows how many are live: the divisor of the local shares. `description`
+    (bytes, opaque here; extproc.operations.fleet_state writes and reads it) is kept beside the
+    entry for as long as it lives, so `iris-extproc status` can tell what the fleet runs."""
 
     def __init__(self, redis: Redis, key_prefix: str, ttl_seconds: float = 5.0):
         self.redis = redis
-        self.key = Keyspace(key_prefix).instances()
+        keys = Keyspace(key_prefix)
+        self.key = keys.instances()
         self.instance_id = uuid.uuid4().hex
+        self.description_key = keys.instance(self.instance_id)
+        self.description: bytes | None = None
         self.ttl_ms = round(ttl_seconds * 1000)
         self.live_instances: int | None = None  # None: never seen Redis
 
     async def heartbeat(self) -> int:
-        """Renew this instance's entry and return the number of live instances. Raises RedisError."""
+        """Renew this instance's entry (and its description) and return the number of live
+        instances. Raises RedisError."""
         now = await redis_time_ms(self.redis, self.key)
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.zadd(self.key, {self.instance_id: now + self.ttl_ms})
             pipe.zremrangebyscore(self.key, "-inf", now)
             pipe.zcount(self.key, f"({now}", "+inf")
             pipe.pexpire(self.key, self.ttl_ms * 2)
-            _, _, count, _ = await pipe.execute()
-        self.live_instances = max(1, int(count))
+            if self.description is not None:
+                pipe.set(self.description_key, self.description, px=self.ttl_ms)
+            replies = await pipe.execute()
+        self.live_instances = max(1, int(replies[2]))
         return self.live_instances
 
     async def leave(self) -> None:
         """Remove this instance (at shutdown). Raises RedisError."""
-        await self.redis.zrem(self.key, self.instance_id)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.zrem(self.key, self.instance_id)
+            pipe.delete(self.description_key)
+            await pipe.execute()
 
 
 class OutagePolicy:

@@ -59,3 +59,8 @@ class Keyspace:
     def instances(self) -> str:
         """The instance registry (zset: instance id -> heartbeat deadline, ms)."""
         return f"{{{self.prefix}}}:instances"
+
+    def instance(self, instance_id: str) -> str:
+        """What a live instance runs (its routing config without Redis addresses), renewed with
+        its heartbeat, so `status` can show the fleet without a routing file."""
+        return f"{{{self.prefix}}}:instance:{instance_id}"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -100,7 +101,7 @@ def test_a_signal_during_start_up_stops_every_worker(tmp_path, signum):
     config_path = tmp_path / "routing.yaml"
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
     argv = [sys.executable, "-m", "extproc.cli", "serve", "--config", str(config_path), "--workers", str(workers)]
-    supervisor = spawn("supervisor", argv, tmp_path, env={**os.environ, "IRIS_SESSION_SECRET": "start-up test"})
+    supervisor = spawn("supervisor", argv, tmp_path, env={**os.environ, "IRIS_SESSION_SECRET": secrets.token_hex(32)})
     try:
 
         def first_children() -> list[int]:

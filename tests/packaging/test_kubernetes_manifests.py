@@ -1,8 +1,11 @@
-"""deploy/kubernetes (issue 13), validated offline: the core resources against the Kubernetes
-schemas that `kubernetes-validate` bundles, the Envoy Gateway EnvoyExtensionPolicy against
-tests/packaging/schemas/envoyextensionpolicy.schema.json (the CRD's fields we use, with its types, enums and
-patterns), the Istio EnvoyFilter against envoy/envoy.yaml's ext_proc filter, and the timeouts
-against the routing file's decision bound."""
+"""deploy/kubernetes (issues 13 and 22), validated offline: the core resources against the
+Kubernetes schemas that `kubernetes-validate` bundles, every resource of the Envoy Gateway variant
+(Gateway, ClientTrafficPolicy, HTTPRoute, HTTPRouteFilters, Backend, BackendTLSPolicy,
+ReferenceGrant, EnvoyExtensionPolicy, BackendTrafficPolicy) against tests/packaging/schemas/<kind>.schema.json
+(the CRDs' fields we use, with their types, enums and patterns) and against the routing file and
+envoy/envoy.yaml (a rule per provider on the routing header, the headers stripped early, the
+no-route answer), the Istio EnvoyFilter against envoy/envoy.yaml's ext_proc filter, and the
+timeouts against the routing file's decision bound."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import copy
 import json
 import re
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import grpc
 import jsonschema
@@ -209,3 +213,115 @@ def test_the_service_monitor_scrapes_the_one_metrics_port_of_every_pod():
     volumes = {volume["name"]: volume for volume in deployment["spec"]["template"]["spec"]["volumes"]}
     assert "emptyDir" in volumes[mounts[env["PROMETHEUS_MULTIPROC_DIR"]]]
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
+ENVOY_GATEWAY = DEPLOY / "envoy-gateway"
+SCHEMAS = ROOT / "tests" / "packaging" / "schemas"
+
+
+def envoy_gateway_resources() -> list[dict]:
+    listed = yaml.safe_load((ENVOY_GATEWAY / "kustomization.yaml").read_text())["resources"]
+    assert sorted(listed) == sorted(p.name for p in ENVOY_GATEWAY.glob("*.yaml") if p.name != "kustomization.yaml")
+    return [doc for name in listed for doc in documents(ENVOY_GATEWAY / name)]
+
+
+def schema_of(kind: str) -> dict:
+    return json.loads((SCHEMAS / f"{kind.lower()}.schema.json").read_text())
+
+
+def eg(kind: str, name: str | None = None) -> dict:
+    return next(d for d in envoy_gateway_resources() if d["kind"] == kind and (name is None or d["metadata"]["name"] == name))
+
+
+def test_envoy_gateway_resources_match_their_schemas():
+    resources = envoy_gateway_resources()
+    assert {d["kind"] for d in resources} == {"Gateway", "ClientTrafficPolicy", "HTTPRoute", "HTTPRouteFilter", "Backend",
+                                              "BackendTLSPolicy", "ReferenceGrant", "EnvoyExtensionPolicy", "BackendTrafficPolicy"}
+    for doc in resources:
+        jsonschema.validate(doc, schema_of(doc["kind"]))
+    route = eg("HTTPRoute")
+    for path, bad in ((("rules", 0, "matches", 0, "headers", 0, "type"), "Prefix"), (("rules", 0, "timeouts", "request"), "0"),
+                      (("rules", 0, "backendRefs", 0, "port"), "http"), (("rules", 0, "filters", 0, "type"), "RemoveHeaders")):
+        broken = copy.deepcopy(route)
+        target = broken["spec"]
+        for key in path[:-1]:
+            target = target[key]
+        target[path[-1]] = bad
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(broken, schema_of("HTTPRoute"))
+
+
+def test_the_httproute_sends_each_provider_where_the_routing_header_says():
+    """A rule per provider of the routing file, matching server.routing_header on its `cluster`
+    (what the ext_proc server sets), removing that header (and before a third party the Envoy
+    headers the server cannot remove under Envoy Gateway), never timing out; then the rule
+    without the header answers envoy.yaml's 503 `no_route`."""
+    config = routing_config()
+    header = config.server.routing_header
+    route = eg("HTTPRoute")
+    gateway = eg("Gateway")
+    assert route["spec"]["parentRefs"] == [{"name": gateway["metadata"]["name"], "sectionName": gateway["spec"]["listeners"][0]["name"]}]
+    *provider_rules, last = route["spec"]["rules"]
+    by_cluster = {}
+    for rule in provider_rules:
+        (match,) = rule["matches"]
+        assert match["path"] == {"type": "PathPrefix", "value": "/"}
+        (matched,) = match["headers"]
+        assert (matched["type"], matched["name"]) == ("Exact", header)
+        by_cluster[matched["value"]] = rule
+        assert seconds(rule["timeouts"]["request"]) == 0
+    assert set(by_cluster) == {p.cluster for p in config.providers}
+    for provider in config.providers:
+        filters = by_cluster[provider.cluster]["filters"]
+        removed = next(f["requestHeaderModifier"]["remove"] for f in filters if f["type"] == "RequestHeaderModifier")
+        assert header in removed
+        if provider.kind.value == "unlimited":
+            envoy_headers = {h for h in config.adaptation.private_headers if h.startswith("x-envoy-")}
+            assert envoy_headers and envoy_headers <= set(removed)
+    assert "headers" not in last["matches"][0] and "backendRefs" not in last
+    (no_route,) = last["filters"]
+    answer = eg("HTTPRouteFilter", no_route["extensionRef"]["name"])["spec"]["directResponse"]
+    envoy_route = yaml.safe_load((ROOT / "envoy" / "envoy.yaml").read_text())["static_resources"]["listeners"][0]
+    routes = envoy_route["filter_chains"][0]["filters"][0]["typed_config"]["route_config"]["virtual_hosts"][0]["routes"]
+    direct = routes[-1]["direct_response"]
+    assert answer["statusCode"] == direct["status"] == 503 and answer["contentType"] == "application/json"
+    assert json.loads(answer["body"]["inline"]) == json.loads(direct["body"]["inline_string"])
+
+
+def test_the_httproute_reaches_the_providers_of_the_routing_file():
+    config = routing_config()
+    by_cluster = {r["matches"][0]["headers"][0]["value"]: r for r in eg("HTTPRoute")["spec"]["rules"] if "backendRefs" in r}
+    iris = config.provider("iris-1")
+    (service,) = by_cluster[iris.cluster]["backendRefs"]
+    health = urlsplit(iris.health_check.url)
+    assert f"{service['name']}.{service['namespace']}.svc" == health.hostname and service["port"] == health.port
+    grant = eg("ReferenceGrant")
+    assert grant["metadata"]["namespace"] == service["namespace"]
+    assert {"group": "gateway.networking.k8s.io", "kind": "HTTPRoute", "namespace": "iris"} in grant["spec"]["from"]
+    (backend_ref,) = by_cluster[config.provider("tensorx").cluster]["backendRefs"]
+    backend = eg("Backend", backend_ref["name"])
+    (endpoint,) = backend["spec"]["endpoints"]
+    tls = eg("BackendTLSPolicy")
+    assert tls["spec"]["targetRefs"] == [{"group": "gateway.envoyproxy.io", "kind": "Backend", "name": backend["metadata"]["name"]}]
+    assert tls["spec"]["validation"]["hostname"] == endpoint["fqdn"]["hostname"] and endpoint["fqdn"]["port"] == backend_ref["port"] == 443
+
+
+def test_the_gateway_strips_what_a_client_must_not_choose_and_holds_a_whole_body():
+    config = routing_config()
+    client = eg("ClientTrafficPolicy")
+    assert client["spec"]["targetRefs"] == [{"group": "gateway.networking.k8s.io", "kind": "Gateway", "name": eg("Gateway")["metadata"]["name"]}]
+    removed = set(client["spec"]["headers"]["earlyRequestHeaders"]["remove"])
+    assert {config.server.routing_header, config.server.affinity_header, *config.session.trusted_identity_headers} <= removed
+    for policy in (client, eg("BackendTrafficPolicy")):
+        assert quantity(policy["spec"]["connection"]["bufferLimit"]) >= config.server.max_body_bytes
+    route = {"group": "gateway.networking.k8s.io", "kind": "HTTPRoute", "name": eg("HTTPRoute")["metadata"]["name"]}
+    for policy in (eg("EnvoyExtensionPolicy"), eg("BackendTrafficPolicy")):
+        assert policy["spec"]["targetRefs"] == [route]
+
+
+def quantity(value: str | int) -> int:
+    """A Kubernetes quantity such as 16448Ki, in bytes."""
+    units = {"Ki": 1024, "Mi": 1024**2, "Gi": 1024**3}
+    text = str(value)
+    for suffix, factor in units.items():
+        if text.endswith(suffix):
+            return int(text[: -len(suffix)]) * factor
+    return int(text)

@@ -132,3 +132,44 @@ def wait_until(predicate, within_seconds: float, interval_seconds: float = 0.02)
         if value or time.monotonic() > deadline:
             return value
         time.sleep(interval_seconds)
+
+
+class PrintedLines:
+    """The lines a subprocess prints on `stream` (a text pipe), read by a thread of their own, so
+    a test can wait for the next one with a bound (selectors cannot: a text stream buffers lines
+    ahead of the pipe)."""
+
+    def __init__(self, stream):
+        import queue
+        import threading
+
+        self._lines: queue.Queue = queue.Queue()
+        self.seen: list[str] = []
+        threading.Thread(target=self._read, args=(stream,), daemon=True).start()
+
+    def _read(self, stream) -> None:
+        for line in stream:
+            self._lines.put(line)
+        self._lines.put(None)  # the stream ended
+
+    def next(self, within_seconds: float = 30) -> str | None:
+        """The next line (with its newline), None once the stream ended; fails the test after
+        `within_seconds` without one."""
+        import queue
+
+        try:
+            line = self._lines.get(timeout=within_seconds)
+        except queue.Empty:
+            pytest.fail(f"nothing printed within {within_seconds} s after {self.seen}")
+        if line is not None:
+            self.seen.append(line)
+        return line
+
+    def until(self, prefix: str, within_seconds: float = 120) -> list[str]:
+        """The lines up to and including the first starting with `prefix`."""
+        lines = []
+        while not lines or not lines[-1].startswith(prefix):
+            line = self.next(within_seconds)
+            assert line is not None, f"the stream ended before a line starting with {prefix!r}: {lines}"
+            lines.append(line)
+        return lines

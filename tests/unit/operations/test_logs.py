@@ -162,7 +162,10 @@ def test_log_format_comes_from_the_flag_or_iris_log_format(monkeypatch, capsys):
     monkeypatch.setenv(logs.FORMAT_ENV, "json")
     assert cli._parser().parse_args(["status", "--config", "x"]).log_format == "json"
     assert cli._parser().parse_args(["--log-format", "text", "status", "--config", "x"]).log_format == "text"
-    monkeypatch.setenv(logs.FORMAT_ENV, "xml")
+    assert cli._parser().parse_args(["status", "--config", "x", "--log-format", "text"]).log_format == "text"
     with pytest.raises(SystemExit) as exit_:
-        cli._parser().parse_args(["status", "--config", "x"])
+        cli._parser().parse_args(["--log-format", "xml", "status", "--config", "x"])
     assert exit_.value.code == 2 and "not a log format" in capsys.readouterr().err
+    monkeypatch.setenv(logs.FORMAT_ENV, "xml")
+    assert cli.main(["status", "--config", "x"]) == 2
+    assert "IRIS_LOG_FORMAT" in capsys.readouterr().err
