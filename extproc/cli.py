@@ -24,6 +24,7 @@ from pathlib import Path
 from extproc.config import Config, ConfigError, ProviderKind, envoy_check, load_config
 from extproc.config.envoy_check import EnvoyConfigError
 from extproc.config.examples import envoy_yaml
+from extproc.config.schema import MAX_WORKERS
 from extproc.operations import logs
 from extproc.routing.degraded import DEFAULT_MANUAL_TTL_SECONDS, MANUAL, DegradedFlags
 from extproc.storage.client import REDIS_FAILURES, open_redis
@@ -85,7 +86,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", required=True)
     serve.add_argument("--envoy", help="the Envoy file this server runs behind: checked at start and at every reload")
     serve.add_argument("--event-loop", choices=["uvloop", "asyncio"], default="uvloop")
-    serve.add_argument("--workers", type=int, default=1, help="worker processes sharing the port (SO_REUSEPORT)")
+    serve.add_argument("--workers", type=int, help="worker processes, worker i on server.listen's port + i (default: server.workers)")
     serve.add_argument("--worker-index", type=int, default=None, help=argparse.SUPPRESS)
     serve.set_defaults(func=_serve)
 
@@ -118,41 +119,32 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _serve(args) -> int:
+    from functools import partial
+
     from extproc.openai_api.adaptation import CredentialError
     from extproc.operations.gateway import SecretMissing, serve
+    from extproc.operations.ports import ListenError
+    from extproc.operations.workers import clear_stale_metrics, supervise, worker_command, worker_config
 
     config = load_config(args.config)
-    if args.workers < 1:
-        print("iris-extproc: --workers must be >= 1", file=sys.stderr)
+    if args.workers is not None and not 1 <= args.workers <= MAX_WORKERS:
+        print(f"iris-extproc: --workers must be from 1 to {MAX_WORKERS}", file=sys.stderr)
         return 2
-    if args.workers > 1 and args.worker_index is None:
-        from extproc.operations.workers import supervise, worker_command
-
-        if args.envoy:
-            try:
-                check_pair(config, args.config, args.envoy)
-            except PairDisagrees as exc:
-                print(f"iris-extproc: {exc}", file=sys.stderr)
-                return 2
-        return supervise(worker_command(args.config, args.event_loop, args.log_level, args.envoy, args.log_format), args.workers)
-    if args.worker_index is None:  # a server alone: multiprocess metric files an earlier run left are not its own
-        from extproc.operations.workers import clear_stale_metrics
-
-        clear_stale_metrics()
-    adjust = None
-    if args.worker_index:
-        from functools import partial
-
-        from extproc.operations.workers import worker_config
-
-        # Worker i's own settings (its metrics port), at start and on every reload alike.
-        adjust = partial(worker_config, index=args.worker_index)
-        config = adjust(config)
+    # Worker i's own settings (the workers' count, its metrics port), at start and on every reload alike.
+    adjust = partial(worker_config, index=args.worker_index or 0, workers=args.workers)
+    config = adjust(config)
+    workers = config.server.workers
     try:
         if args.envoy:
             check_pair(config, args.config, args.envoy)
-        run_event_loop(serve(config, config_path=args.config, envoy_path=args.envoy, adjust=adjust), args.event_loop)
-    except (SecretMissing, CredentialError, PairDisagrees) as exc:
+        if workers > 1 and args.worker_index is None:
+            command = worker_command(args.config, args.event_loop, args.log_level, workers, args.envoy, args.log_format)
+            return supervise(command, [config.server.worker_listen(i) for i in range(workers)])
+        if args.worker_index is None:  # a server alone: multiprocess metric files an earlier run left are not its own
+            clear_stale_metrics()
+        run_event_loop(serve(config, config_path=args.config, envoy_path=args.envoy, adjust=adjust, worker_index=args.worker_index or 0),
+                       args.event_loop)
+    except (SecretMissing, CredentialError, PairDisagrees, ListenError) as exc:
         print(f"iris-extproc: {exc}", file=sys.stderr)
         return 2
     return 0
