@@ -10,10 +10,10 @@ hashes on `server.affinity_header` and the early header mutation removes it too;
 `sessionless_cluster` exists and does not hash; the ext_proc filter's cluster reaches
 `server.listen`'s port and the port of every worker (`server.workers`: listen's port + i), and
 its `mutation_rules` let the server remove every `x-envoy-*` header it must remove
-(`adaptation.private_headers`, ...: Envoy ignores such a removal otherwise); each health-check and load URL points at the provider's own cluster (the
-same host and port when the cluster is STATIC). `check` answers one plain
-sentence per disagreement; an empty list means the pair agrees. Used by `iris-extproc check`,
-`serve --envoy`, `up` and the configuration reload.
+(`adaptation.private_headers`, ...: Envoy ignores such a removal otherwise); each health-check
+and load URL points at the provider's own cluster (the same host and port when the cluster is
+STATIC). `check` answers one plain sentence per disagreement; an empty list means the pair
+agrees. Used by `iris-extproc check`, `serve --envoy`, `up` and the configuration reload.
 """
 
 from __future__ import annotations
