@@ -22,9 +22,9 @@ part of the added latency that the routing itself (rather than the ext_proc mess
 
     python -m bench.overhead --rates 50,200,500 --seconds 20 --json out/overhead.json --plot-dir docs
 
-`--workers 2` runs `serve --workers 2`; the ext_proc CPU then sums the supervisor and its workers.
-With one Envoy thread there is one ext_proc connection, which stays on one worker:
-`--envoy-concurrency 2` gives Envoy two threads and so two connections for the kernel to spread.
+`--workers 2` runs `serve` with `server.workers` 2 (each worker on its own port, an endpoint of
+Envoy's `extproc` cluster, which balances streams over them); the ext_proc CPU then sums the
+supervisor and its workers. `python -m bench.workers` reports requests/s per worker for 1 and 2.
 """
 
 from __future__ import annotations
@@ -82,8 +82,7 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     peers, skipped = selected_peers(args.peers)
     for name, reason in skipped.items():
         print(f"skipping peer {name}: {reason}", flush=True)
-    extproc_args = ["--workers", str(args.workers)] if args.workers > 1 else []
-    with LocalGateway(config_data=config, simulations=sims, work_dir=work / "gateway", extproc_args=extproc_args,
+    with LocalGateway(config_data=config, simulations=sims, work_dir=work / "gateway", workers=args.workers,
                       envoy_concurrency=args.envoy_concurrency) as gateway:
         metrics_url = gateway.running[0].metrics_url  # every worker's, merged, with --workers
         upstream = gateway.providers["iris-1"].port
@@ -293,9 +292,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, default=32, help="closed-loop workers at saturation")
     parser.add_argument("--users", type=int, default=100, help="users (sessions) the requests come from")
     parser.add_argument("--warmup-requests", type=int, default=300)
-    parser.add_argument("--workers", type=int, default=1, help="ext_proc worker processes (serve --workers)")
-    parser.add_argument("--envoy-concurrency", type=int, default=1,
-                        help="Envoy worker threads (each its own ext_proc connection, spread over the workers)")
+    parser.add_argument("--workers", type=int, default=1, help="ext_proc worker processes (server.workers)")
+    parser.add_argument("--envoy-concurrency", type=int, default=1, help="Envoy worker threads")
     parser.add_argument("--peers", default="all",
                         help=f"peers to measure too: all, none, or some of {','.join(p.name for p in PEERS)}")
     parser.add_argument("--floor", action=argparse.BooleanOptionalAction, default=True,

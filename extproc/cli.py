@@ -37,6 +37,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from extproc.config import Config, ConfigError, ProviderKind, RedisSettings, envoy_check, load_config
 from extproc.config.envoy_check import EnvoyConfigError
 from extproc.config.examples import envoy_yaml
+from extproc.config.schema import MAX_WORKERS
 from extproc.operations import logs
 from extproc.routing.degraded import DEFAULT_MANUAL_TTL_SECONDS, MANUAL, DegradedFlags
 from extproc.storage.client import REDIS_FAILURES, open_redis
@@ -211,7 +212,7 @@ def _parser(defaults: EnvironmentDefaults | None = None) -> argparse.ArgumentPar
     _add_config(serve, defaults)
     serve.add_argument("--envoy", metavar="PATH", help="the Envoy file this server runs behind: checked at start and at every reload")
     serve.add_argument("--event-loop", choices=["uvloop", "asyncio"], default="uvloop", help="the asyncio event loop")
-    serve.add_argument("--workers", type=int, default=1, help="worker processes sharing the port (SO_REUSEPORT)")
+    serve.add_argument("--workers", type=int, help="worker processes, worker i on server.listen's port + i (default: server.workers)")
     serve.add_argument("--worker-index", type=int, default=None, help=argparse.SUPPRESS)
     serve.set_defaults(func=_serve)
 
@@ -258,41 +259,34 @@ def _parser(defaults: EnvironmentDefaults | None = None) -> argparse.ArgumentPar
 
 
 def _serve(args) -> int:
+    from functools import partial
+
     from extproc.openai_api.adaptation import CredentialError
     from extproc.operations.gateway import serve
+    from extproc.operations.ports import ListenError
     from extproc.operations.session_secret import SessionSecretError, session_secret
+    from extproc.operations.workers import clear_stale_metrics, supervise, worker_command, worker_config
 
     config = load_config(args.config)
-    if args.workers < 1:
-        print("iris-extproc: --workers must be >= 1", file=sys.stderr)
+    if args.workers is not None and not 1 <= args.workers <= MAX_WORKERS:
+        print(f"iris-extproc: --workers must be from 1 to {MAX_WORKERS}", file=sys.stderr)
         return 2
-    adjust = None
-    if args.worker_index:
-        from functools import partial
-
-        from extproc.operations.workers import worker_config
-
-        # Worker i's own settings (its metrics port), at start and on every reload alike.
-        adjust = partial(worker_config, index=args.worker_index)
-        config = adjust(config)
+    # Worker i's own settings (the workers' count, its metrics port), at start and on every reload alike.
+    adjust = partial(worker_config, index=args.worker_index or 0, workers=args.workers)
+    config = adjust(config)
+    workers = config.server.workers
     try:  # refused before anything starts, workers included
         if args.envoy:
             check_pair(config, args.config, args.envoy)
         session_secret(config)
-    except (SessionSecretError, PairDisagrees) as exc:
-        print(f"iris-extproc: {exc}", file=sys.stderr)
-        return 2
-    if args.workers > 1 and args.worker_index is None:
-        from extproc.operations.workers import supervise, worker_command
-
-        return supervise(worker_command(args.config, args.event_loop, args.log_level, args.envoy, args.log_format), args.workers)
-    if args.worker_index is None:  # a server alone: multiprocess metric files an earlier run left are not its own
-        from extproc.operations.workers import clear_stale_metrics
-
-        clear_stale_metrics()
-    try:
-        run_event_loop(serve(config, config_path=args.config, envoy_path=args.envoy, adjust=adjust), args.event_loop)
-    except (SessionSecretError, CredentialError) as exc:
+        if workers > 1 and args.worker_index is None:
+            command = worker_command(args.config, args.event_loop, args.log_level, workers, args.envoy, args.log_format)
+            return supervise(command, [config.server.worker_listen(i) for i in range(workers)])
+        if args.worker_index is None:  # a server alone: multiprocess metric files an earlier run left are not its own
+            clear_stale_metrics()
+        run_event_loop(serve(config, config_path=args.config, envoy_path=args.envoy, adjust=adjust, worker_index=args.worker_index or 0),
+                       args.event_loop)
+    except (SessionSecretError, CredentialError, PairDisagrees, ListenError) as exc:
         print(f"iris-extproc: {exc}", file=sys.stderr)
         return 2
     return 0

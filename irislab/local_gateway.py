@@ -28,6 +28,7 @@ from irislab.processes import (
     StartedTogether,
     envoy_binary,
     free_port,
+    free_port_range,
     spawn,
     start_redis,
     wait_for_port,
@@ -112,7 +113,9 @@ class LocalGateway(StartedTogether):
     `default_simulation`.
     `env`: extra environment for the ext_proc servers (for example provider API keys).
     `extproc_servers`: ext_proc servers behind each Envoy (the endpoints of its `extproc`
-    cluster, health-checked by Envoy), sharing the instance's Redis and providers.
+    cluster, health-checked by Envoy), sharing the instance's Redis and providers. `workers`:
+    each server's `server.workers` (None: the config's), worker i on its first port + i, every
+    port an endpoint of the `extproc` cluster (use it, not `--workers` in `extproc_args`).
     `replicas`: per provider name, how many simulators make its pool (default 1): each replica is
     an endpoint of the provider's cluster (and of its `sessionless_cluster`), named
     `<provider>-r<i>` in `x-simulator-name`. `engines`: per provider name, the base URLs of
@@ -131,7 +134,8 @@ class LocalGateway(StartedTogether):
     redis_url: str | None = None
     env: dict[str, str] = field(default_factory=dict)
     envoy_source: Path = envoy_config.DEFAULT_ENVOY_YAML
-    extproc_args: list[str] = field(default_factory=list)  # more `iris-extproc serve` options, e.g. --workers 2
+    extproc_args: list[str] = field(default_factory=list)  # more `iris-extproc serve` options, e.g. --event-loop asyncio
+    workers: int | None = None
     envoy_concurrency: int = 1  # Envoy worker threads: each opens its own ext_proc connection
     replicas: dict[str, int] = field(default_factory=dict)
     engines: dict[str, list[str]] = field(default_factory=dict)
@@ -167,7 +171,11 @@ class LocalGateway(StartedTogether):
         file disagree (ports aside: they are all moved here), config.ConfigError for a bad
         routing config, ProcessError when a process does not start (call stop() to stop the
         others; the context manager does)."""
+        if "--workers" in self.extproc_args:
+            raise ValueError("LocalGateway(workers=N), not --workers in extproc_args: the Envoy file must list every worker's port")
         data = yaml.safe_load(EXAMPLE_CONFIG.read_text()) if self.config_data is None else self.config_data
+        if self.workers is not None:
+            data = {**data, "server": {**data.get("server", {}), "workers": self.workers}}
         self.config = parse_config(data)
         if self.real_providers:  # the bootstrap is rendered from the config: the template only has to carry it
             try:
@@ -285,8 +293,10 @@ class LocalGateway(StartedTogether):
 
     def _extproc_config(self, name: str, data: dict[str, Any]) -> tuple[Path, int, int]:
         """The routing config of ext_proc server `name` (its health checks say so:
-        `?client=<name>`) on free gRPC and metrics ports: (its path, grpc port, metrics port)."""
-        grpc_port, metrics_port = free_port(), free_port()  # one metrics port, whatever `--workers` says
+        `?client=<name>`) on free gRPC and metrics ports: (its path, its first grpc port, metrics
+        port); its workers take the first grpc port and the next `server.workers` - 1."""
+        grpc_port = free_port_range(self.config.server.workers)
+        metrics_port = free_port()  # one metrics port, whatever `server.workers` says
         config = dict(data)
         config["redis"] = {**data.get("redis", {})}
         if self.redis_url is not None:
@@ -301,7 +311,8 @@ class LocalGateway(StartedTogether):
         listener_port, admin_port = free_port(), free_port()
         names = [f"extproc-{index}"] + [f"extproc-{index}-{k}" for k in range(1, self.extproc_servers)]
         configs = [self._extproc_config(name, data) for name in names]
-        cluster_ports: dict[str, int | list[int]] = {"extproc": [grpc_port for _, grpc_port, _ in configs]}
+        workers = self.config.server.workers
+        cluster_ports: dict[str, int | list[int]] = {"extproc": [port + i for _, port, _ in configs for i in range(workers)]}
         for provider in self.config.providers:
             if provider.name in self.engines:
                 ports = [urlsplit(url).port for url in self.engines[provider.name]]
@@ -326,9 +337,11 @@ class LocalGateway(StartedTogether):
             ))
             extproc.port = grpc_port
             extproc.extra["metrics_port"] = metrics_port
+            extproc.extra["ports"] = [grpc_port + i for i in range(workers)]
             extprocs.append(extproc)
         for extproc in extprocs:
-            _wait_until_up(extproc)
+            for port in extproc.extra["ports"]:
+                _wait_until_up(extproc, port)
         envoy = self._track(spawn(
             f"envoy-{index}",
             [envoy_binary(), "-c", str(envoy_path), "-l", "warning", "--concurrency", str(self.envoy_concurrency), "--disable-hot-restart",
@@ -363,11 +376,11 @@ class LocalGateway(StartedTogether):
         return envoy_config.render_onto(bootstrap, listener_port, admin_port, {"extproc": cluster_ports["extproc"]})
 
 
-def _wait_until_up(process: ManagedProcess) -> None:
-    """Wait for `process` to listen on its port. Raises ProcessError naming it, with the last
-    line of its log (for `iris-extproc serve`: its one-line error)."""
+def _wait_until_up(process: ManagedProcess, port: int | None = None) -> None:
+    """Wait for `process` to listen on `port` (default: its port). Raises ProcessError naming it,
+    with the last line of its log (for `iris-extproc serve`: its one-line error)."""
     try:
-        wait_for_port(process.port, process=process.popen)
+        wait_for_port(port or process.port, process=process.popen)
     except ProcessError as exc:
         lines = process.log_tail(2000).strip().splitlines()
         raise ProcessError(f"{process.name} did not start ({exc}): {lines[-1] if lines else 'no output'}") from None

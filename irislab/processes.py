@@ -28,6 +28,29 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def free_port_range(count: int, attempts: int = 50) -> int:
+    """The first of `count` consecutive TCP ports on 127.0.0.1 that were all free a moment ago
+    (`serve` with `server.workers` N binds its port and the next N - 1). Raises ProcessError
+    after `attempts` tries."""
+    for _ in range(attempts):
+        first = free_port()
+        if first + count - 1 > 65535:
+            continue
+        held: list[socket.socket] = []
+        try:
+            for port in range(first, first + count):
+                sock = socket.socket()
+                held.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return first
+        except OSError:
+            continue
+        finally:
+            for sock in held:
+                sock.close()
+    raise ProcessError(f"found no {count} consecutive free ports on 127.0.0.1 in {attempts} tries")
+
+
 def wait_for_port(port: int, timeout_seconds: float = 20.0, process: subprocess.Popen | None = None) -> None:
     """Block until something accepts TCP connections on 127.0.0.1:port.
 

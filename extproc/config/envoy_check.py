@@ -8,12 +8,12 @@ any client could claim any identity; a provider whose sessions
 keep their replica by hash (Affinity `session_hash`) has a consistent-hash cluster, the route
 hashes on `server.affinity_header` and the early header mutation removes it too; a
 `sessionless_cluster` exists and does not hash; the ext_proc filter's cluster reaches
-`server.listen`'s port, and its `mutation_rules` let the server remove every `x-envoy-*` header
-it must remove (`adaptation.private_headers`, ...: Envoy ignores such a removal otherwise); each
-health-check and load URL points at the provider's own cluster (the
-same host and port when the cluster is STATIC). `check` answers one plain
-sentence per disagreement; an empty list means the pair agrees. Used by `iris-extproc check`,
-`serve --envoy`, `up` and the configuration reload.
+`server.listen`'s port and the port of every worker (`server.workers`: listen's port + i), and
+its `mutation_rules` let the server remove every `x-envoy-*` header it must remove
+(`adaptation.private_headers`, ...: Envoy ignores such a removal otherwise); each health-check
+and load URL points at the provider's own cluster (the same host and port when the cluster is
+STATIC). `check` answers one plain sentence per disagreement; an empty list means the pair
+agrees. Used by `iris-extproc check`, `serve --envoy`, `up` and the configuration reload.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from urllib.parse import urlsplit
 import yaml
 
 from extproc.config import Affinity, Config, IdentitySource, Provider, ProviderKind
+from extproc.config.schema import ServerSettings
 
 EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
 HCM_FILTER = "envoy.filters.network.http_connection_manager"
@@ -79,7 +80,7 @@ def check(config: Config, bootstrap: dict[str, Any], envoy_name: str = "envoy.ya
         if hashed:
             problems += _hash_policy_problems(config.server.affinity_header, hashed[0].name, manager, envoy_name)
         if addresses:
-            problems += _ext_proc_problems(config.server.listen, manager, clusters, envoy_name)
+            problems += _ext_proc_problems(config.server, manager, clusters, envoy_name)
         problems += _mutation_rule_problems(config, manager, envoy_name)
         problems += _mode_override_problems(manager, envoy_name)
     if addresses:
@@ -288,13 +289,15 @@ def _truthy(value: Any) -> bool:
     return value is True or _dict(value).get("value") is True
 
 
-def _ext_proc_problems(listen: str, manager: dict[str, Any], clusters: dict[str, Any], envoy_name: str) -> list[str]:
-    """The ext_proc filter's cluster reaches server.listen's port."""
+def _ext_proc_problems(server: ServerSettings, manager: dict[str, Any], clusters: dict[str, Any], envoy_name: str) -> list[str]:
+    """The ext_proc filter's cluster reaches server.listen's port and, with several workers, the
+    port of every worker (server.worker_ports): a worker whose port is not an endpoint gets no
+    stream. More ports are fine (other ext_proc servers of the same Envoy)."""
     filters = [_dict(f) for f in _list(manager.get("http_filters")) if _dict(f).get("name") == EXT_PROC_FILTER]
     if not filters:
         return [f"{envoy_name}: no {EXT_PROC_FILTER} filter"]
     problems = []
-    _, _, port = listen.rpartition(":")
+    port, wanted = str(server.listen_port()), [str(p) for p in server.worker_ports()]
     for ext_proc in filters:
         grpc_service = _dict(_dict(ext_proc.get("typed_config")).get("grpc_service"))
         name = _dict(grpc_service.get("envoy_grpc")).get("cluster_name")
@@ -305,9 +308,15 @@ def _ext_proc_problems(listen: str, manager: dict[str, Any], clusters: dict[str,
             problems.append(f"{envoy_name}: the ext_proc filter's cluster {name!r} is not a cluster of the file")
             continue
         ports = {str(p) for _, p in _endpoints(cluster)}
+        shown = ", ".join(sorted(ports)) or "none"
+        missing = [p for p in wanted if p not in ports]
         if port not in ports:
-            shown = ", ".join(sorted(ports)) or "none"
-            problems.append(f"{envoy_name}: the ext_proc cluster {name!r} reaches port {shown} but server.listen is {listen!r}")
+            problems.append(f"{envoy_name}: the ext_proc cluster {name!r} reaches port {shown} but server.listen is {server.listen!r}")
+        elif missing:
+            problems.append(
+                f"{envoy_name}: the ext_proc cluster {name!r} lacks port {', '.join(missing)}: server.workers is {server.workers}, worker i "
+                f"listens on port {port} + i, and a worker that is no endpoint gets no stream (list ports {wanted[0]}-{wanted[-1]})"
+            )
     return problems
 
 

@@ -4,7 +4,9 @@
 listener, limits, ext_proc filter, access log and local replies) and makes it agree with the
 routing config:
 
-- the ext_proc filter's cluster reaches `server.listen`;
+- the ext_proc filter's cluster reaches `server.listen` and every worker's port (`server.workers`:
+  worker i on listen's port + i), one endpoint each, over which the template's cluster balances
+  streams (envoy/envoy.yaml: LEAST_REQUEST);
 - the route's cluster_header is `server.routing_header` and hashes on `server.affinity_header`;
   the early header mutation removes both and the trusted identity headers (a client's own copies);
 - every provider with `endpoints` gets its cluster built from them: STATIC for IP addresses,
@@ -55,7 +57,7 @@ def render(config: Config, template: dict[str, Any]) -> dict[str, Any]:
         raise RenderError("the template has no listener with an http_connection_manager")
     ext_proc_clusters = set()
     for manager in managers:
-        ext_proc_clusters |= _point_ext_proc(manager, clusters, config.server.listen)
+        ext_proc_clusters |= _point_ext_proc(manager, clusters, config.server.listen, config.server.worker_ports())
         _set_route_headers(manager, config)
     prototype = _provider_prototype(clusters, ext_proc_clusters)
     rendered: dict[str, dict[str, Any]] = {}
@@ -77,10 +79,10 @@ def _typed(network_filter: dict[str, Any]) -> dict[str, Any]:
     return network_filter.setdefault("typed_config", {})
 
 
-def _point_ext_proc(manager: dict[str, Any], clusters: dict[str, Any], listen: str) -> set[str]:
-    """Send each ext_proc filter's cluster to `listen` (0.0.0.0 or :: become loopback); return
-    the clusters' names."""
-    host, _, port = listen.rpartition(":")
+def _point_ext_proc(manager: dict[str, Any], clusters: dict[str, Any], listen: str, ports: list[int]) -> set[str]:
+    """Send each ext_proc filter's cluster to `listen`'s host (0.0.0.0 or :: become loopback) on
+    each of `ports` (one endpoint per worker); return the clusters' names."""
+    host, _, _ = listen.rpartition(":")
     host = host.strip("[]")
     if host in ("", "0.0.0.0", "::"):
         host = "127.0.0.1"
@@ -92,8 +94,8 @@ def _point_ext_proc(manager: dict[str, Any], clusters: dict[str, Any], listen: s
         if name not in clusters:
             raise RenderError(f"the template's ext_proc filter names cluster {name!r}, which it lacks")
         names.add(name)
-        endpoint = {"endpoint": {"address": {"socket_address": {"address": host, "port_value": int(port)}}}}
-        clusters[name]["load_assignment"] = {"cluster_name": name, "endpoints": [{"lb_endpoints": [endpoint]}]}
+        endpoints = [{"endpoint": {"address": {"socket_address": {"address": host, "port_value": port}}}} for port in ports]
+        clusters[name]["load_assignment"] = {"cluster_name": name, "endpoints": [{"lb_endpoints": endpoints}]}
     if not names:
         raise RenderError("the template has no ext_proc filter with an envoy_grpc cluster")
     return names

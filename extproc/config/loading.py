@@ -28,6 +28,7 @@ from extproc.config.schema import (
     Provider,
     ProviderKind,
     RedisSettings,
+    ServerSettings,
 )
 
 
@@ -91,6 +92,7 @@ def _cross_field_problems(config: Config) -> list[str]:
                 problems.append(f"{at}.features: needs one of {sorted(FEATURE_CLASSES | passthrough)}")
             problems.extend(_limit_problems(at, provider.kind, entry.limits))
         problems.extend(_provider_extension_problems(f"providers[{i}]", provider))
+    problems.extend(_server_problems(config.server))
     problems.extend(_session_problems(config))
     problems.extend(_redis_problems(config.redis))
     problems.extend(_passthrough_problems(config))
@@ -114,6 +116,17 @@ def _passthrough_problems(config: Config) -> list[str]:
         if endpoint.feature in FEATURE_CLASSES | SUB_FEATURES:
             problems.append(f"passthrough_endpoints[{i}].feature: {endpoint.feature!r} is already a feature of OpenAI's API")
     return problems
+
+
+def _server_problems(server: ServerSettings) -> list[str]:
+    """`listen` is host:port, and the workers' consecutive ports stay below 65536."""
+    try:
+        port = server.listen_port()
+    except ValueError as exc:
+        return [f"server.listen: {exc}"]
+    if port + server.workers - 1 > 65535:
+        return [f"server.workers: {server.workers} workers on ports from {port} would go past port 65535"]
+    return []
 
 
 def _session_problems(config: Config) -> list[str]:

@@ -476,6 +476,9 @@ class SessionSettings(_Strict):
     max_response_chains: int | None = Field(default=100_000, ge=1)
 
 
+MAX_WORKERS = 64  # ext_proc worker processes of one server (consecutive ports)
+
+
 class ServerSettings(_Strict):
     """The ext_proc gRPC server. Sizes in bytes, durations in seconds.
 
@@ -485,9 +488,16 @@ class ServerSettings(_Strict):
     streams, then takes no new stream and lets open ones finish within `drain_grace_seconds`.
 
     `routing_header` carries the chosen cluster to Envoy's route, `affinity_header` the session's
-    opaque key to the route's hash policy (Affinity); Envoy strips a client's own copy of both."""
+    opaque key to the route's hash policy (Affinity); Envoy strips a client's own copy of both.
+
+    `workers`: ext_proc worker processes (`iris-extproc serve`; its `--workers` flag overrides it
+    for one run). Worker i listens on `listen`'s port + i, so the ports `listen`'s port to that
+    port + workers - 1 are all taken; the Envoy file's ext_proc cluster lists each as an endpoint
+    (`iris-extproc check` says when it does not) and balances streams over them
+    (docs/operations.md "Several workers")."""
 
     listen: Annotated[str, RESTART_ONLY] = "127.0.0.1:50051"
+    workers: Annotated[int, RESTART_ONLY] = Field(default=1, ge=1, le=MAX_WORKERS)
     routing_header: Annotated[str, RESTART_ONLY] = "x-iris-cluster"
     affinity_header: Annotated[str, RESTART_ONLY] = Field(default="x-iris-affinity", pattern=_HEADER_NAME)
     max_body_bytes: int = Field(default=16 * 1024 * 1024, gt=0)
@@ -499,6 +509,24 @@ class ServerSettings(_Strict):
     decision_timeout_seconds: float = Field(default=2.0, gt=0)
     metrics_listen: Annotated[str | None, RESTART_ONLY] = None
     reload_poll_seconds: float = Field(default=1.0, ge=0)  # 0: reload on SIGHUP only
+
+    def listen_port(self) -> int:
+        """The port of `listen` (host:port, the host an IPv4 or IPv6 address or a name). Raises
+        ValueError when `listen` names none (loading reports it as a problem of the file)."""
+        _, sep, port = self.listen.rpartition(":")
+        if not sep or not port.isdigit() or not 0 < int(port) <= 65535:
+            raise ValueError(f"{self.listen!r} is not host:port with a port from 1 to 65535")
+        return int(port)
+
+    def worker_listen(self, index: int) -> str:
+        """The address worker `index` (0 to workers - 1) listens on: `listen` with its port + index."""
+        host, _, _ = self.listen.rpartition(":")
+        return f"{host}:{self.listen_port() + index}"
+
+    def worker_ports(self) -> list[int]:
+        """The port of every worker, in order: `listen`'s port and the next workers - 1."""
+        first = self.listen_port()
+        return list(range(first, first + self.workers))
 
 
 class PassthroughEndpoint(_Strict):

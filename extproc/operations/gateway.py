@@ -25,6 +25,7 @@ from extproc.config import Config
 from extproc.operations import exporter, grpc_logs
 from extproc.operations.fleet_state import CachedFleetState, FleetStateReader, instance_description, on_loop
 from extproc.operations.health import HealthMonitor
+from extproc.operations.ports import ListenError, unavailable
 from extproc.operations.reload import ConfigReloader
 from extproc.operations.session_secret import session_secret
 from extproc.protocol.live import build_live
@@ -47,10 +48,14 @@ class Gateway:
     """The running server, wired in one place: the Redis client, the degraded flags, the live
     routing config, the lease table with its outage policy and breaker, the health monitor, the
     stream loop (extproc.protocol.stream) and the gRPC server with its health service. It is the
-    ConfigReceiver of extproc.operations.reload. Use `serve()`."""
+    ConfigReceiver of extproc.operations.reload. Use `serve()`.
 
-    def __init__(self, config: Config, secret: bytes):
+    `worker_index`: which worker of `server.workers` this is; it listens on
+    `server.worker_listen(worker_index)`. Raises ListenError when that address cannot be bound."""
+
+    def __init__(self, config: Config, secret: bytes, worker_index: int = 0):
         self.config = config
+        self.listen = config.server.worker_listen(worker_index)
         self.redis = open_redis(config.redis)
         self.secret = secret
         self.degraded = DegradedFlags(self.redis, config)
@@ -68,14 +73,19 @@ class Gateway:
             options=[
                 ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", GRPC_MAX_MESSAGE_BYTES),
-                ("grpc.so_reuseport", 1),  # `serve --workers N` shares the port (grpcio's default on Linux)
+                # Off (grpcio's default on Linux is on): a port another process holds is an error,
+                # not a port shared with it; each worker has its own (extproc.operations.ports).
+                ("grpc.so_reuseport", 0),
             ]
         )
         ext_proc_grpc.add_ExternalProcessorServicer_to_server(self.processor, self.server)
         self.serving = grpc_health.aio.HealthServicer()
         self.draining = False
         health_pb2_grpc.add_HealthServicer_to_server(self.serving, self.server)
-        self.port = self.server.add_insecure_port(config.server.listen)
+        try:
+            self.port = self.server.add_insecure_port(self.listen)
+        except RuntimeError:
+            raise ListenError(f"cannot listen on {', '.join(unavailable([self.listen])) or self.listen}") from None
         self._background: list[asyncio.Task] = []
 
     async def start(self) -> None:
@@ -101,7 +111,7 @@ class Gateway:
         for service in HEALTH_SERVICES:
             await self.serving.set(service, health_pb2.HealthCheckResponse.SERVING)
         await self.server.start()
-        log.info("ext_proc server listening on %s", self.config.server.listen)
+        log.info("ext_proc server listening on %s", self.listen)
 
     async def _heartbeat_once(self) -> None:
         """Keep this instance registered, so every instance knows the live count, and watch the
@@ -191,16 +201,18 @@ def _health_inputs(config: Config) -> tuple:
 
 async def serve(
     config: Config, config_path: str | None = None, envoy_path: str | None = None, adjust: Callable[[Config], Config] | None = None,
+    worker_index: int = 0,
 ) -> None:
     """Run the ext_proc server until SIGTERM or SIGINT, then drain and return. With `config_path`
     (the file `config` was read from) the routing config is reloaded on SIGHUP and when the file
     changes (extproc.operations.reload), checked against `envoy_path` when given. `adjust`: what
     turned the file's config into `config` (`serve --workers`: worker i's metrics port), applied
-    to every reloaded one too.
+    to every reloaded one too. `worker_index`: this worker's index, which picks its port
+    (`server.worker_listen`).
 
-    Raises session_secret.SessionSecretError, adaptation.CredentialError."""
+    Raises session_secret.SessionSecretError, adaptation.CredentialError, ports.ListenError."""
     grpc_logs.quiet_peer_gone_errors()
-    gateway = Gateway(config, session_secret(config))
+    gateway = Gateway(config, session_secret(config), worker_index)
     await gateway.start()
     try:
         await _serve_started(gateway, config, config_path, envoy_path, adjust)

@@ -1,9 +1,15 @@
-"""`iris-extproc serve --workers N`: N ext_proc worker processes on one listening port.
+"""`iris-extproc serve` with `server.workers` (or `--workers`) N > 1: N ext_proc worker processes,
+each on its own port.
 
 Each worker is a full `iris-extproc serve` process: its own event loop, Redis connection pool,
 lease table and instance id in the instance registry (so the outage policy's N counts workers).
-They share `server.listen` through SO_REUSEPORT (the kernel spreads new connections over them;
-one Envoy connection stays on one worker). This supervisor only starts them, forwards SIGTERM
+Worker i listens on `server.listen`'s port + i (ServerSettings.worker_listen), and the Envoy
+file lists every one of those ports as an endpoint of its ext_proc cluster, so Envoy balances
+streams over the workers (extproc.config.envoy_check says when it lists fewer). One shared port
+(SO_REUSEPORT) would leave the split to the kernel, per connection, and Envoy holds one HTTP/2
+connection per worker thread for hours: 2 workers behind 2 Envoy threads split 99/1, 40/60 and
+99/1 over three starts (issue 24). A port already taken stops the start before any worker runs
+(extproc.operations.ports). This supervisor only starts them, forwards SIGTERM
 or SIGINT to every worker (each drains as a single server does) and exits 0 once all exited 0;
 it forwards SIGHUP (each worker reloads the routing config: extproc.operations.reload). A SIGTERM
 or SIGINT that arrives while the workers are being started starts no more of them: the ones
@@ -32,6 +38,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from extproc.operations.ports import ListenError, unavailable
+
 if TYPE_CHECKING:
     from extproc.config import Config
 
@@ -41,13 +49,20 @@ POLL_SECONDS = 0.1
 MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus-client's name for it
 
 
-def worker_config(config: Config, index: int) -> Config:
+def worker_config(config: Config, index: int, workers: int | None = None) -> Config:
     """`config` as worker `index` runs it: worker 0 serves the metrics of every worker on
-    `server.metrics_listen`, the others serve none (their `metrics_listen` is None)."""
-    if not index or not config.server.metrics_listen:
+    `server.metrics_listen`, the others serve none (their `metrics_listen` is None). `workers`: the
+    count `serve --workers` gave, which replaces `server.workers` (None: the file's). Each worker
+    keeps the file's `server.listen` (the check of the Envoy file needs the first port) and binds
+    `server.worker_listen(index)`."""
+    update = {}
+    if index and config.server.metrics_listen:
+        update["metrics_listen"] = None
+    if workers is not None and workers != config.server.workers:
+        update["workers"] = workers
+    if not update:
         return config
-    server = config.server.model_copy(update={"metrics_listen": None})
-    return config.model_copy(update={"server": server})
+    return config.model_copy(update={"server": config.server.model_copy(update=update)})
 
 
 def clear_metrics_dir(directory: str | Path, keep_pid: int | None = None) -> int:
@@ -89,13 +104,20 @@ def _mark_dead(pid: int, directory: str) -> None:
     multiprocess.mark_process_dead(pid, directory)
 
 
-def supervise(worker_argv: list[str], workers: int) -> int:
-    """Start `workers` processes running `worker_argv` plus `--worker-index i`, wait for them.
-    Returns 0 when a SIGTERM/SIGINT drained every worker to exit 0, else the first nonzero code.
+def supervise(worker_argv: list[str], addresses: list[str]) -> int:
+    """Start one process per address of `addresses` (worker i listens on `addresses[i]`) running
+    `worker_argv` plus `--worker-index i`, wait for them. Returns 0 when a SIGTERM/SIGINT drained
+    every worker to exit 0, else the first nonzero code. Raises ports.ListenError, before
+    starting any, when an address cannot be bound.
 
     A SIGTERM or SIGINT at any moment, start-up included, stops the starting of workers: every
     worker started so far gets SIGTERM (one being started when the signal came gets it as soon as
     its Popen returns), and the supervisor returns once all of them have exited."""
+    taken = unavailable(addresses)
+    if taken:
+        raise ListenError(f"cannot listen on {', '.join(taken)}: {len(addresses)} workers listen on "
+                          f"{addresses[0]} to {addresses[-1]}, one port each")
+    workers = len(addresses)
     stopping = False
     children: list[subprocess.Popen] = []
     metrics_dir, made = _metrics_dir()
@@ -136,7 +158,8 @@ def supervise(worker_argv: list[str], workers: int) -> int:
         if stopping:
             log.info("stopping during start-up: %d of %d ext_proc workers started, pids %s", len(children), workers, [c.pid for c in children])
         else:
-            log.info("supervising %d ext_proc workers: pids %s", workers, [c.pid for c in children])
+            log.info("supervising %d ext_proc workers: %s", workers,
+                     ", ".join(f"worker {i} pid {c.pid} on {address}" for i, (c, address) in enumerate(zip(children, addresses))))
         failed: int | None = None
         while any(c.poll() is None for c in children):
             mark_ended()
@@ -158,7 +181,8 @@ def supervise(worker_argv: list[str], workers: int) -> int:
             shutil.rmtree(metrics_dir, ignore_errors=True)
 
 
-def worker_command(config_path: str, event_loop: str, log_level: str, envoy_path: str | None = None, log_format: str = "text") -> list[str]:
-    """The command line of one worker (without its index); `envoy_path`: its `--envoy`."""
+def worker_command(config_path: str, event_loop: str, log_level: str, workers: int, envoy_path: str | None = None,
+                   log_format: str = "text") -> list[str]:
+    """The command line of one worker of `workers` (without its index); `envoy_path`: its `--envoy`."""
     return [sys.executable, "-m", "extproc.cli", "--log-level", log_level, "--log-format", log_format, "serve", "--config", config_path,
-            "--event-loop", event_loop, *(["--envoy", envoy_path] if envoy_path else [])]
+            "--event-loop", event_loop, "--workers", str(workers), *(["--envoy", envoy_path] if envoy_path else [])]

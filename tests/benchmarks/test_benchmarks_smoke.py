@@ -82,6 +82,19 @@ def test_overhead_prints_every_figure(tmp_path):
     assert report_again("overhead", tmp_path) == set(figures)
 
 
+def test_workers_prints_requests_per_worker_for_1_and_2_workers(tmp_path):
+    figures, result = run_bench("workers", tmp_path)
+    names = [f"{name}@{n}" for n in ("1", "2") for name in (
+        "saturation_rps", "rps_per_worker", "smallest_worker_share", "worker_cpu_ms_per_request", "requests_per_worker_core_s",
+        "envoy_cpu_ms_per_request", "load_average")]
+    assert_numbers(figures, [*names, "scaling_rps@2_over_1"])
+    for n, run in result["runs"].items():
+        assert run["errors"] == 0 and run["ok"] > 0
+        assert len(run["worker_decisions"]) == int(n) and sum(run["worker_decisions"]) >= run["ok"]
+        assert all(decided > 0 for decided in run["worker_decisions"])  # Envoy sends streams to every worker
+    assert report_again("workers", tmp_path) == set(figures)
+
+
 def test_cost_prints_every_figure(tmp_path):
     figures, result = run_bench("cost", tmp_path)
     names = []

@@ -234,7 +234,7 @@ def test_workers_reload_without_a_false_restart_warning(tmp_path):
     `server.metrics_listen` needs a restart; a real change of it still does, in worker 0 (the
     only one serving metrics), and the port stays, counting both workers' reloads."""
     sims = {name: ProviderSimulation(ttft_ms=5, per_token_ms=1) for name in ("iris-1", "iris-2", "tensorx")}
-    with LocalGateway(config_data=routing_config(), simulations=sims, work_dir=tmp_path, extproc_args=["--workers", "2"]) as gateway:
+    with LocalGateway(config_data=routing_config(), simulations=sims, work_dir=tmp_path, workers=2) as gateway:
         instance = gateway.running[0]
         log = instance.extproc.log_tail  # the supervisor's log: both workers write to it
         config = yaml.safe_load(instance.config_path.read_text())

@@ -13,26 +13,15 @@ import httpx
 import pytest
 import redis
 import yaml
-from prometheus_client.multiprocess import MultiProcessCollector
 
 from irislab.local_gateway import LocalGateway, ProviderSimulation
-from tests.gateway.test_workers import children
+from tests.gateway.test_workers import children, decisions_in
 from tests.support.gateway import chat_body, gateway_config, wait_until
 from tests.support.prometheus import Prometheus, prometheus_binary
 
 ALERTS = Path(__file__).resolve().parents[2] / "deploy" / "prometheus" / "alerts.yaml"
 BOUND = 30.0  # seconds: a generous bound for conditions that normally hold within a few seconds
-ENVOY_THREADS = 8  # each Envoy thread opens its own ext_proc connection, which SO_REUSEPORT gives a worker
-
-
-def decisions_in(path: Path) -> float:
-    """The sum of iris_routing_decisions_total in one worker's multiprocess counter file."""
-    return sum(
-        sample.value
-        for metric in MultiProcessCollector.merge([str(path)])
-        if metric.name == "iris_routing_decisions"
-        for sample in metric.samples
-    )
+ENVOY_THREADS = 8  # Envoy threads: each balances its streams over both workers' ports
 
 
 @pytest.mark.slow
@@ -40,7 +29,7 @@ def test_prometheus_counts_each_decision_of_two_workers_once_through_one_port(tm
     binary = prometheus_binary()
     metrics_dir = tmp_path / "multiproc"
     sims = {name: ProviderSimulation(ttft_ms=1, per_token_ms=1) for name in ("iris-1", "iris-2", "tensorx")}
-    gateway = LocalGateway(config_data=gateway_config(), simulations=sims, work_dir=tmp_path / "gateway", extproc_args=["--workers", "2"],
+    gateway = LocalGateway(config_data=gateway_config(), simulations=sims, work_dir=tmp_path / "gateway", workers=2,
                            envoy_concurrency=ENVOY_THREADS, env={"IRIS_LOG_FORMAT": "json", "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir)})
     with gateway:
         instance = gateway.running[0]

@@ -117,18 +117,32 @@ def health_status(port: int, service: str):
 
 
 def test_probe_service_names_are_the_ones_the_server_serves(tmp_path):
-    """The Deployment's gRPC probes ask a running server (started with the Deployment's
-    `--workers` argument) for services it knows and reports SERVING; a name it does not serve
-    would answer NOT_FOUND and the pod would never be ready."""
+    """The Deployment's gRPC probes ask a running server (with the routing file's
+    `server.workers`) for services it knows and reports SERVING; a name it does not serve would
+    answer NOT_FOUND and the pod would never be ready."""
     container = by_kind("Deployment")["spec"]["template"]["spec"]["containers"][0]
     probes = {kind: container[kind]["grpc"]["service"] for kind in ("livenessProbe", "readinessProbe", "startupProbe")}
-    workers = container["args"][container["args"].index("--workers"):][:2]
-    with LocalGateway(config_data=gateway_config(), work_dir=tmp_path, extproc_args=workers) as gateway:
+    with LocalGateway(config_data=gateway_config(), work_dir=tmp_path, workers=routing_config().server.workers) as gateway:
         port = gateway.running[0].extproc.port
         for kind, service in probes.items():
-            for _ in range(4):  # new connections, so more than one worker is likely asked
-                assert health_status(port, service) == health_pb2.HealthCheckResponse.SERVING, (kind, service)
+            assert health_status(port, service) == health_pb2.HealthCheckResponse.SERVING, (kind, service)
         assert health_status(port, "envoy.service.ext_proc.v3.ExternalProcesor") == grpc.StatusCode.NOT_FOUND
+
+
+def test_one_worker_per_pod_behind_the_services_one_grpc_port():
+    """Envoy Gateway (one backendRef) and Istio (one cluster per Service port) reach the pods
+    through one port, and balance streams over the pods: each pod runs one worker
+    (`server.workers` 1, from the routing file alone: no `--workers` flag) on that port. A second
+    worker would listen on a port no gateway cluster lists and get no stream (issue 24)."""
+    config = routing_config()
+    assert config.server.workers == 1
+    container = by_kind("Deployment")["spec"]["template"]["spec"]["containers"][0]
+    assert "--workers" not in container["args"]
+    grpc_ports = [p for p in by_kind("Service")["spec"]["ports"] if p["name"].startswith("grpc")]
+    assert [(p["port"], p["targetPort"]) for p in grpc_ports] == [(config.server.listen_port(), "grpc")]
+    assert [p["containerPort"] for p in container["ports"] if p["name"].startswith("grpc")] == config.server.worker_ports()
+    (policy,) = documents(DEPLOY / "envoy-gateway" / "envoy-extension-policy.yaml")
+    assert [ref["port"] for ref in policy["spec"]["extProc"][0]["backendRefs"]] == [config.server.listen_port()]
 
 def test_envoy_extension_policy_matches_the_schema_and_the_decision_bound():
     schema = json.loads((ROOT / "tests" / "packaging" / "schemas" / "envoyextensionpolicy.schema.json").read_text())
@@ -196,8 +210,8 @@ def test_monitoring_resources_match_the_crd_schemas(kind):
 def test_the_service_monitor_scrapes_the_one_metrics_port_of_every_pod():
     """The ServiceMonitor selects the Service by its labels and scrapes its `metrics` port, which
     targets the container port that `server.metrics_listen` binds; the Deployment exposes no other
-    metrics port (worker 0 serves every worker's metrics) and gives the workers a writable
-    PROMETHEUS_MULTIPROC_DIR on a read-only root filesystem."""
+    metrics port, and its one worker keeps its metrics in memory (no PROMETHEUS_MULTIPROC_DIR to
+    write on the read-only root filesystem)."""
     monitor = monitoring_resources()["ServiceMonitor"]
     service, deployment = by_kind("Service"), by_kind("Deployment")
     assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
@@ -209,9 +223,7 @@ def test_the_service_monitor_scrapes_the_one_metrics_port_of_every_pod():
     assert metrics_ports[0]["containerPort"] == int(routing_config().server.metrics_listen.rsplit(":", 1)[1])
     assert endpoint["path"] == "/metrics"
     env = {item["name"]: item["value"] for item in container["env"]}
-    mounts = {mount["mountPath"]: mount["name"] for mount in container["volumeMounts"]}
-    volumes = {volume["name"]: volume for volume in deployment["spec"]["template"]["spec"]["volumes"]}
-    assert "emptyDir" in volumes[mounts[env["PROMETHEUS_MULTIPROC_DIR"]]]
+    assert routing_config().server.workers == 1 and "PROMETHEUS_MULTIPROC_DIR" not in env
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
 ENVOY_GATEWAY = DEPLOY / "envoy-gateway"
 SCHEMAS = ROOT / "tests" / "packaging" / "schemas"

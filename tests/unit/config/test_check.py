@@ -62,6 +62,37 @@ def test_every_disagreement_is_named(tmp_path):
     assert "Traceback" not in result.stdout + result.stderr
 
 
+def ext_proc_ports(bootstrap: dict, ports: list[int]) -> dict:
+    """`bootstrap` with its `extproc` cluster on 127.0.0.1 at each of `ports`."""
+    (cluster,) = [c for c in bootstrap["static_resources"]["clusters"] if c["name"] == "extproc"]
+    endpoint = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]
+    cluster["load_assignment"]["endpoints"][0]["lb_endpoints"] = [
+        {**endpoint, "endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": port}}}} for port in ports
+    ]
+    return bootstrap
+
+
+def test_every_worker_port_must_be_an_endpoint_of_the_ext_proc_cluster(tmp_path):
+    """server.workers 3 on 50051: workers on 50051-50053. The shipped envoy.yaml lists 50051 only,
+    so two workers would get no stream: `check` names the missing ports and exits 1; with all
+    three (or more: another server's) listed, the pair agrees."""
+    data = example()
+    data["server"]["workers"] = 3
+    result = cli("check", "--config", write(tmp_path / "r.yaml", data), "--envoy", str(ENVOY))
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert [line.strip() for line in result.stdout.splitlines()[1:]] == [
+        f"{ENVOY}: the ext_proc cluster 'extproc' lacks port 50052, 50053: server.workers is 3, worker i listens on port 50051 + i, "
+        "and a worker that is no endpoint gets no stream (list ports 50051-50053)"
+    ]
+    config = parse_config(data)
+    bootstrap = envoy_check.load_bootstrap(ENVOY)
+    assert len(envoy_check.check(config, ext_proc_ports(bootstrap, [50051, 50053]))) == 1
+    assert envoy_check.check(config, ext_proc_ports(bootstrap, [50051, 50052, 50053])) == []
+    assert envoy_check.check(config, ext_proc_ports(bootstrap, [50051, 50052, 50053, 50054])) == []
+    agreeing = write(tmp_path / "envoy.yaml", ext_proc_ports(bootstrap, [50051, 50052, 50053]))
+    assert cli("check", "--config", str(tmp_path / "r.yaml"), "--envoy", agreeing).returncode == 0
+
+
 def test_the_envoy_side_of_the_header():
     config = parse_config(example())
     bootstrap = yaml.safe_load(ENVOY.read_text())

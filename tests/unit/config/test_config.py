@@ -153,3 +153,17 @@ def test_passthrough_endpoints_cannot_take_openais_paths_or_features():
     assert "providers[0].models.m.features: unknown feature(s) ['score']" in found
     bad_path = problems(small_config_data(passthrough_endpoints=[{"path": "tokenize?x", "feature": "t"}]))
     assert bad_path == ["passthrough_endpoints[0].path: must match ^/[A-Za-z0-9._~-]+(/[A-Za-z0-9._~-]+)*$"]
+
+
+def test_each_worker_listens_on_the_next_port():
+    """server.workers N: worker i on listen's port + i (IPv4, IPv6 or a name); the ports must
+    exist, and listen must name one."""
+    server = parse_config(small_config_data(server={"listen": "[::]:50051", "workers": 3})).server
+    assert server.worker_ports() == [50051, 50052, 50053]
+    assert [server.worker_listen(i) for i in range(3)] == ["[::]:50051", "[::]:50052", "[::]:50053"]
+    assert parse_config(small_config_data()).server.worker_ports() == [50051]  # one worker by default
+    assert problems(small_config_data(server={"listen": "0.0.0.0:65535", "workers": 2})) == [
+        "server.workers: 2 workers on ports from 65535 would go past port 65535"]
+    assert problems(small_config_data(server={"listen": "localhost"})) == [
+        "server.listen: 'localhost' is not host:port with a port from 1 to 65535"]
+    assert problems(small_config_data(server={"workers": 0})) == ["server.workers: must be >= 1"]

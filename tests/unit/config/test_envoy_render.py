@@ -18,7 +18,7 @@ from irislab.processes import envoy_binary
 def fleet() -> dict:
     return {
         "redis": {"url": "redis://127.0.0.1:6379/0"},
-        "server": {"listen": "0.0.0.0:50099", "routing_header": "x-route-to", "affinity_header": "x-replica-key"},
+        "server": {"listen": "0.0.0.0:50099", "workers": 2, "routing_header": "x-route-to", "affinity_header": "x-replica-key"},
         "session": {"trusted_identity_headers": ["x-auth-user"]},
         "providers": [
             {"name": "pool", "kind": "managed", "cluster": "pool", "sessionless_cluster": "pool-spread",
@@ -42,8 +42,10 @@ def test_the_rendered_bootstrap_agrees_with_its_config_and_envoy_accepts_it(tmp_
     assert envoy_check.check(config, bootstrap) == []
     clusters = {c["name"]: c for c in bootstrap["static_resources"]["clusters"]}
     assert list(clusters) == ["extproc", "pool", "pool-spread", "dyn", "tensorx"]  # iris-1, iris-2 of the template dropped
-    assert clusters["extproc"]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"] == \
-        {"address": "127.0.0.1", "port_value": 50099}
+    # One endpoint per worker (server.workers 2: ports 50099 and 50100), balanced per stream.
+    assert [e["endpoint"]["address"]["socket_address"] for e in clusters["extproc"]["load_assignment"]["endpoints"][0]["lb_endpoints"]] == \
+        [{"address": "127.0.0.1", "port_value": 50099}, {"address": "127.0.0.1", "port_value": 50100}]
+    assert clusters["extproc"]["lb_policy"] == "LEAST_REQUEST"
     pool, spread, dyn = clusters["pool"], clusters["pool-spread"], clusters["dyn"]
     assert (pool["type"], pool["lb_policy"], spread["lb_policy"], dyn["type"], dyn["lb_policy"]) == \
         ("STATIC", "MAGLEV", "LEAST_REQUEST", "STRICT_DNS", "LEAST_REQUEST")

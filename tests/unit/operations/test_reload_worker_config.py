@@ -81,3 +81,33 @@ def test_worker_config_leaves_the_metrics_to_worker_0():
     assert other.model_copy(update={"server": config.server}) == config
     without = parse_config(small_config_data())
     assert worker_config(without, 2) == without
+
+
+@pytest.mark.parametrize("flag", [2, None], ids=["--workers 2", "server.workers"])
+def test_a_reload_keeps_the_workers_count_the_server_runs(tmp_path, caplog, flag):
+    """`server.workers` is restart-only. With `serve --workers 2` the flag's count replaces the
+    file's at every reload (the file moving to 3 is nothing to the running workers, no warning);
+    without the flag, the file's move to 3 needs a restart and 2 stays (server.workers 2 at start)."""
+    start = data()
+    start["server"]["workers"] = 2
+    path = tmp_path / "routing.yaml"
+    path.write_text(yaml.safe_dump(start))
+    adjust = partial(worker_config, index=1, workers=flag)
+    receiver = Receiver(adjust(parse_config(start)))
+    reloader = ConfigReloader(receiver, path, adjust=adjust)
+    caplog.set_level(logging.INFO, logger="extproc.operations.reload")
+    moved = data(slots=2)
+    moved["server"]["workers"] = 3
+    path.write_text(yaml.safe_dump(moved))
+    assert reloader.reload(path.read_bytes())
+    assert receiver.config.server.workers == 2
+    assert receiver.config.providers[0].models["m"].limits.max_global_in_flight_request_slots == 2
+    warnings = restart_warnings(caplog)
+    assert (warnings == []) if flag else (len(warnings) == 1 and "server.workers changed" in warnings[0])
+
+
+def test_worker_config_takes_the_flags_workers_count():
+    config = parse_config(data())
+    assert worker_config(config, 0, workers=1) == config  # the file's count already
+    three = worker_config(config, 2, workers=3)
+    assert (three.server.workers, three.server.metrics_listen, three.server.listen) == (3, None, config.server.listen)

@@ -66,7 +66,7 @@ def cli(*args: str, secret: str | None) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("workers", ["1", "2"])
 def test_serve_refuses_the_placeholder_before_it_starts(tmp_path, workers):
     config = tmp_path / "routing.yaml"
-    config.write_text(yaml.safe_dump(small_config_data("redis://127.0.0.1:1/0", server={"listen": "127.0.0.1:0"})))
+    config.write_text(yaml.safe_dump(small_config_data("redis://127.0.0.1:1/0", server={"listen": "127.0.0.1:1"})))
     result = cli("serve", "--config", str(config), "--workers", workers, secret="replace-with-32-random-bytes")
     assert result.returncode == 2 and result.stdout == ""
     (line,) = result.stderr.strip().splitlines()
