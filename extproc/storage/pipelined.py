@@ -685,6 +685,7 @@ class Cluster(Topology):
         self._refreshed_at = float("-inf")
         self._known = False
         self._closed = False
+        self.redirections = 0  # MOVED and ASK replies followed, since the start
 
     def node(self, host: str, port: int) -> _Node:
         node = self.nodes.get((host, port))
@@ -708,6 +709,8 @@ class Cluster(Topology):
                 self._refresh_soon()  # also while the node refuses calls in its backoff
                 raise
             error = replies[0]
+            if type(error) is MovedError or type(error) is AskError:
+                self.redirections += 1
             if type(error) is MovedError:
                 node = self.node(*error.node_addr)
                 self.slots[error.slot_id] = node
