@@ -433,7 +433,8 @@ class PipelinedRedis:
     await their replies at once; one more raises InFlightCapReached at once. `stall_seconds`
     (seconds; default max(5, 4 x timeout)): a connection whose pending replies have waited this
     long when a deadline passes is dropped, so a node that stopped answering (a partition, a
-    stopped process) is found again through the topology. Build it with `open_pipelined`."""
+    stopped process) is found again through the topology. Build it with `open_pipelined`; use
+    it from one event loop."""
 
     def __init__(self, topology: Topology, *, timeout: float = 0.5, max_in_flight: int = 64, stall_seconds: float | None = None):
         self.topology = topology
@@ -572,9 +573,13 @@ class Topology:
     """Which node a call goes to, and what a redirect or a failure changes."""
 
     async def run(self, client: PipelinedRedis, key: object, commands: list[bytes], deadline: float) -> list[object]:
+        """Send `commands` (encoded, written together) to the node serving `key` and return
+        their replies, error replies as exception values, by `deadline` (event-loop time,
+        seconds). Raises PipelinedConnectionError, PipelinedTimeoutError."""
         raise NotImplementedError
 
     def close(self) -> None:
+        """Close every connection (pending calls fail with PipelinedConnectionError)."""
         raise NotImplementedError
 
 
