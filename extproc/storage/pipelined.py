@@ -820,18 +820,20 @@ def _retrieve(task: asyncio.Task) -> None:
 
 def open_pipelined(
     settings: RedisSettings, timeout_seconds: float | None = None, max_in_flight: int | None = None,
+    stall_seconds: float | None = None,
 ) -> PipelinedRedis:
     """A PipelinedRedis for the topology `settings` describe, by the rules of
     extproc.storage.client.open_redis: `timeout_seconds` (seconds; default
     settings.socket_timeout_seconds) bounds connecting and is every call's default deadline;
     `max_in_flight` defaults to settings.max_connections (the calls that may wait on Redis at
-    once, as the pool's connections bound them for redis-py). Nothing is contacted yet.
+    once, as the pool's connections bound them for redis-py); `stall_seconds` as in
+    PipelinedRedis. Nothing is contacted yet.
 
     Raises ConfigError when `password_env` or `sentinel.password_env` names an unset variable."""
     timeout = settings.socket_timeout_seconds if timeout_seconds is None else timeout_seconds
     password = _secret(settings.password_env, "redis.password_env")
     tls = _ssl_context(settings.tls_ca_file) if settings.tls else None
-    common = {"timeout": timeout, "max_in_flight": max_in_flight or settings.max_connections}
+    common = {"timeout": timeout, "max_in_flight": max_in_flight or settings.max_connections, "stall_seconds": stall_seconds}
     if settings.cluster is not None:
         options = ConnectOptions(settings.username, password, 0, tls, timeout)
         return PipelinedRedis(Cluster([_host_port(n) for n in settings.cluster.nodes], options), **common)

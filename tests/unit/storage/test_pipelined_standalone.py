@@ -229,6 +229,28 @@ async def test_a_lost_connection_fails_its_calls_without_replaying_them(control,
         await client.aclose()
 
 
+async def test_a_connection_that_stopped_answering_is_dropped(control, redis_url):
+    """A node that stops answering (here paused; a partition or a stopped process alike) is
+    given up once its oldest pending reply waited `stall_seconds` and a deadline passes: the
+    pending calls fail as a lost connection (so a topology asks where the node is now)."""
+    client = client_for(redis_url, stall_seconds=0.3)
+    try:
+        await client.execute("PING")
+        control.execute_command("CLIENT", "PAUSE", PAUSE_MS, "WRITE")
+        waiting = asyncio.ensure_future(client.execute("SET", "stalled", "1", timeout=30))
+        await eventually(lambda: client.in_flight == 1, "the call in flight")
+        for _ in range(100):
+            if waiting.done():
+                break
+            with pytest.raises(PipelinedTimeoutError):
+                await client.execute("SET", "probe", "1", timeout=0.05)
+        assert isinstance(waiting.exception(), PipelinedConnectionError)
+        control.execute_command("CLIENT", "UNPAUSE")
+        assert await client.execute("GET", "stalled", timeout=5) in (None, b"1")  # a new connection answers
+    finally:
+        await client.aclose()
+
+
 async def test_a_refused_connection_is_a_connection_error_and_recovers(tmp_path):
     server = start_redis(tmp_path / "r")
     port = server.port
