@@ -22,8 +22,8 @@ from extproc.config.schema import (
     LoadGauge,
     LoadSignal,
     ModelLimits,
-    Provider,
     PriorityClass,
+    Provider,
     ProviderKind,
     RedisSettings,
     SessionSignal,
@@ -31,7 +31,8 @@ from extproc.config.schema import (
 )
 
 __all__ = [
-    "ROUTER_SESSION_HEADERS", "AdmissionQueue", "Affinity", "DEFAULT_PRIVATE_HEADERS", "FEATURE_CLASSES", "RESTART_ONLY", "SUB_FEATURES", "Config", "ConfigError",
-    "Credentials", "HealthCheck", "IdentitySource", "LOAD_PRESETS", "LoadGauge", "LoadSignal", "ModelLimits", "PriorityClass", "Provider", "ProviderKind",
+    "ROUTER_SESSION_HEADERS", "AdmissionQueue", "Affinity", "DEFAULT_PRIVATE_HEADERS", "FEATURE_CLASSES",
+    "RESTART_ONLY", "SUB_FEATURES", "Config", "ConfigError", "Credentials", "HealthCheck", "IdentitySource",
+    "LOAD_PRESETS", "LoadGauge", "LoadSignal", "ModelLimits", "PriorityClass", "Provider", "ProviderKind",
     "RedisSettings", "SessionSignal", "load_config", "parse_config", "restart_only_fields",
 ]
