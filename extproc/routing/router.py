@@ -391,9 +391,10 @@ class Router:
         may_wait = ticket.remaining > 0 and not ticket.timed_out and not self.wakeups.closing
         return {"queue": ticket.args("join" if may_wait else "none")}
 
-    def _note(self, ticket: Ticket | None, admission: Admission | None) -> None:
+    def _note(self, ticket: Ticket | None, admission: Admission | None, waiting: bool = False) -> None:
         """Keep track of whether the ticket may sit in a queue: QUEUED puts it there, ADMITTED
-        (on any pair) takes it out of every queue (lua/queue.lua)."""
+        (on any pair) takes it out of every queue (lua/queue.lua). A walk's admission (not
+        `waiting`) that could have joined a queue but got a slot refusal found it full: shed."""
         if ticket is None or admission is None:
             return
         if admission.result is Result.QUEUED:
@@ -401,8 +402,8 @@ class Router:
         elif admission.result is Result.ADMITTED:
             ticket.joined = False
         elif admission.result in (Result.GLOBAL_IN_FLIGHT_REQUEST_LIMIT_REACHED, Result.UNRESERVED_IN_FLIGHT_REQUEST_LIMIT_REACHED):
-            if ticket.remaining > 0 and not ticket.timed_out and not self.wakeups.closing:
-                metrics.QUEUE_SHED.labels(ticket.model, ticket.priority).inc()  # it could wait, but the queue was full
+            if not waiting and ticket.remaining > 0 and not ticket.timed_out and not self.wakeups.closing:
+                metrics.QUEUE_SHED.labels(ticket.model, ticket.priority).inc()
 
     async def _wait_for_slot(self, ticket: Ticket, waiting: list[Provider], attempt) -> tuple[Provider, Admission] | None:
         """Wait for a slot of one of `waiting` (the managed providers whose queue holds the
@@ -426,7 +427,7 @@ class Router:
             last = ticket.remaining <= 0
             for provider in [p for p in waiting if p.name == hint] or list(waiting):
                 admission = await attempt(provider, "wait")
-                self._note(ticket, admission)
+                self._note(ticket, admission, waiting=True)
                 result = admission.result
                 if result is Result.QUEUED:
                     continue

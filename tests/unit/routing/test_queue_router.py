@@ -200,8 +200,10 @@ async def test_a_full_queue_sheds_to_the_next_step_at_once(redis_client, redis_u
     await fill_own_providers(router)
     waiting = asyncio.create_task(router.execute_request(temporary("a")))
     assert await until(lambda: _positive(tickets(redis_client, router)))
+    shed_before = sample("iris_queue_shed_total", gen_ai_request_model="m", priority="interactive")
     shed = await router.execute_request(temporary("b"))  # both own queues hold one ticket of its class
     assert shed.provider.name == "tensorx"
+    assert sample("iris_queue_shed_total", gen_ai_request_model="m", priority="interactive") == shed_before + 2  # one per pair
     assert not waiting.done()
     router.wakeups.close()
     await waiting
