@@ -122,5 +122,7 @@ QUEUE_TIMEOUTS = Counter(
     "iris_queue_timeouts_total", "Waits in the admission queue that ended without an own slot (max_wait_ms passed)", [MODEL, "priority"]
 )
 QUEUE_SHED = Counter(
-    "iris_queue_shed_total", "Places in a pair's admission queue refused because the class's queue there was at max_depth (one per pair)", [MODEL, "priority"]
+    "iris_queue_shed_total",
+    "Places in a pair's admission queue refused because the class's queue there was at max_depth (one per pair)",
+    [MODEL, "priority"],
 )
