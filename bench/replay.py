@@ -20,7 +20,9 @@ limit, otherwise the same simulation). Policies, each on fresh providers (empty 
 
 * `router`: the full gateway (Envoy + ext_proc + Redis), the limits in its routing config;
   `router_prefer_previous`: the same with `routing.prefer_previous_provider` on (a session that
-  pins again tries the provider of its previous pin first);
+  pins again tries the provider of its previous pin first); `router_queue`: the same with the
+  admission queue on (`routing.queue`, docs/queue.md: a request that finds the own providers
+  full waits up to `--queue-max-wait-ms` for an own slot before the third party);
 * `round_robin`, `least_request`, `ring_hash`: Envoy without ext_proc, one cluster over the two own
   providers' endpoints with that load balancer (`ring_hash` hashes the `x-user-id` header). The
   third party is not in these clusters: Envoy's load balancers know no capacity limits, so they
@@ -33,8 +35,13 @@ Reported per policy: prefix tokens reused (the providers' `cached_tokens`) as a 
 oracle (one unbounded cache that sees every request in trace order, computed from the block ids),
 for all providers and for the own ones; requests served by the third party, split into those a
 routing decision sent there (new pin, offload) and those that followed an earlier pin there;
-needless offloads (see `needless_offloads`); limit breaches (the providers' `max_in_flight` over
-the configured limit); latency and time-to-first-token percentiles (ms) and errors.
+needless offloads (see `needless_offloads`); of the requests a decision sent to the third party,
+those for which an own slot freed within 1 s and 2 s of their send (`slot_freed_within`: what a
+queue that waits that long could have kept); limit breaches (the providers' `max_in_flight` over
+the configured limit); latency and time-to-first-token percentiles (ms) and errors. With
+`router_queue`, the queue's own counters too (offloads avoided, waits timed out, shed), scraped
+from the ext_proc server's metrics. The "Queue on and off" table puts `router` and `router_queue`
+side by side: third-party share, own-provider reuse, TTFT p99, breaches.
 
     python -m bench.replay --limit 2000 --speedup 10 --json out/replay.json --plot-dir docs
 """
@@ -43,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import json
 import math
 import tempfile
@@ -82,7 +90,7 @@ from irislab.processes import free_port
 
 OWN = ("iris-1", "iris-2")
 THIRD_PARTY = "tensorx"
-ROUTER_POLICIES = ("router", "router_prefer_previous")
+ROUTER_POLICIES = ("router", "router_prefer_previous", "router_queue")
 POLICIES = (*ROUTER_POLICIES, "round_robin", "least_request", "ring_hash", *(p.name for p in PEERS))
 
 LB_POLICIES = {"round_robin": "ROUND_ROBIN", "least_request": "LEAST_REQUEST", "ring_hash": "RING_HASH"}
@@ -184,9 +192,11 @@ def simulation(args: argparse.Namespace, own: bool = True) -> ProviderSimulation
                               decode_ms_per_running_seq=args.decode_ms_per_running_seq if own else 0)
 
 
-def router_config(args: argparse.Namespace, prefer_previous: bool = False) -> dict[str, Any]:
+def router_config(args: argparse.Namespace, prefer_previous: bool = False, queue: bool = False) -> dict[str, Any]:
     """Two own providers with small limits and a third party; the pin inactivity timeout is
-    `--pin-timeout-seconds` of trace time (default 300 s, the config's default), compressed like it."""
+    `--pin-timeout-seconds` of trace time (default 300 s, the config's default), compressed like it.
+    `queue`: the admission queue on, every request of one class waiting up to
+    `--queue-max-wait-ms` (real time: the providers' request times are not compressed)."""
     limits = {
         "max_pinned_sessions": args.max_pins,
         "max_global_in_flight_request_slots": args.max_in_flight,
@@ -207,6 +217,9 @@ def router_config(args: argparse.Namespace, prefer_previous: bool = False) -> di
     if prefer_previous:
         config["routing"] = {"prefer_previous_provider": {"enabled": True,
                                                           "remember_seconds": args.remember_seconds}}
+    if queue:
+        config["routing"] = {"queue": {"classes": [{"name": "interactive", "max_wait_ms": args.queue_max_wait_ms}],
+                                       "default_class": "interactive"}}
     return config
 
 
@@ -299,11 +312,13 @@ def run_policy(policy: str, requests: list[TraceRequest], args: argparse.Namespa
     sim = simulation(args)
     if policy in ROUTER_POLICIES:
         sims = {name: sim for name in OWN} | {THIRD_PARTY: simulation(args, own=False)}
-        config = router_config(args, prefer_previous=policy == "router_prefer_previous")
+        config = router_config(args, prefer_previous=policy == "router_prefer_previous", queue=policy == "router_queue")
         with LocalGateway(config_data=config, simulations=sims, work_dir=work / policy) as gateway:
             urls = {name: gateway.provider_url(name) for name in (*OWN, THIRD_PARTY)}
             samples, sampler, wall = asyncio.run(replay(gateway.url, urls, gateway.redis_url, requests, args))
             stats = provider_stats(urls)
+            queue = queue_counters([i.metrics_url for i in gateway.running]) if policy == "router_queue" else None
+        return {"policy": policy, "samples": samples, "sampler": sampler, "wall": wall, "stats": stats, "queue": queue}
     else:
         folder = work / policy
         providers = {name: start_simulator(name, sim, folder) for name in OWN}
@@ -330,6 +345,27 @@ def run_policy(policy: str, requests: list[TraceRequest], args: argparse.Namespa
             for process in providers.values():
                 process.stop()
     return {"policy": policy, "samples": samples, "sampler": sampler, "wall": wall, "stats": stats}
+
+
+QUEUE_COUNTERS = {
+    "iris_queue_offloads_avoided": "offloads_avoided",
+    "iris_queue_timeouts": "timed_out",
+    "iris_queue_shed": "shed",
+}
+
+
+def queue_counters(metrics_urls: list[str]) -> dict[str, float]:
+    """The admission queue's counters summed over the ext_proc servers' metrics endpoints:
+    requests served by an own provider after waiting, waits that timed out, requests shed."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = dict.fromkeys(QUEUE_COUNTERS.values(), 0.0)
+    for url in metrics_urls:
+        for family in text_string_to_metric_families(httpx.get(url, timeout=5).text):
+            if family.name in QUEUE_COUNTERS:
+                out[QUEUE_COUNTERS[family.name]] += sum(s.value for s in family.samples if s.name.endswith("_total"))
+    return out
 
 
 def reset_stats(url: str) -> None:
@@ -402,6 +438,43 @@ def needless_offloads(samples: list[Sample], requests: list[TraceRequest], sampl
     return out
 
 
+def slot_freed_within(samples: list[Sample], requests: list[TraceRequest], sampler: Sampler,
+                      args: argparse.Namespace, seconds: float) -> list[int]:
+    """Indexes of requests a routing decision sent to the third party (reasons as in
+    `needless_offloads`) for which some own provider had a slot the request could use at some
+    moment within `seconds` of its send: what an admission queue waiting that long could have
+    served on an own provider. A slot is counted busy over [sent, done + margin] of each request
+    the provider served (conservative: a lease starts after the send); a new pin or repin also
+    needs the provider's pins below `max_pins` (every Redis sample from one sample period before
+    the send to one after that moment); an offload counts its pin's provider too, whose reserved
+    slots it may use."""
+    margin = args.release_margin_ms / 1000
+    by_provider = {}
+    for name in OWN:
+        served = [s for s in samples if s.info.get("provider") == name and not math.isnan(s.done)]
+        by_provider[name] = (sorted(s.sent for s in served), sorted(s.done + margin for s in served))
+    pins_of = pin_providers(samples, requests)
+    out = []
+    for sample in samples:
+        reason = sample.info.get("reason")
+        if sample.info.get("provider") != THIRD_PARTY or reason not in DECIDED_REASONS:
+            continue
+        start, end = sample.sent, sample.sent + seconds
+        for name in OWN:
+            starts, ends = by_provider[name]
+            limit = args.max_in_flight if reason == "offloaded" and pins_of.get(sample.index) == name else args.max_in_flight - args.reserved
+            moments = [start, *ends[bisect.bisect_right(ends, start):bisect.bisect_right(ends, end)]]
+            free = [t for t in moments if bisect.bisect_right(starts, t) - bisect.bisect_right(ends, t) < limit]
+            if free and reason in ("new_pin", "repinned"):
+                period = args.sample_seconds
+                window = [c for t, c in sampler.pins[name] if start - period <= t <= free[0] + period]
+                free = free if window and max(window) < args.max_pins else []
+            if free:
+                out.append(sample.index)
+                break
+    return out
+
+
 def moved_losses(ok: list[Sample], requests: list[TraceRequest], hits: list[int],
                  block_tokens: int) -> tuple[int, int, dict[str, int]]:
     """Reuse lost (oracle hits minus cached tokens, in tokens) by requests served on another
@@ -438,6 +511,8 @@ def policy_figures(run: dict[str, Any], requests: list[TraceRequest], oracle_tok
     for s in third:
         by_reason[s.info.get("reason") or "-"] = by_reason.get(s.info.get("reason") or "-", 0) + 1
     needless = needless_offloads(samples, requests, run["sampler"], args) if run["policy"] == "router" else []
+    router = run["policy"] in ROUTER_POLICIES
+    freed = {w: len(slot_freed_within(samples, requests, run["sampler"], args, w)) if router else 0 for w in (1.0, 2.0)}
     # Where reuse was lost: the oracle's hits minus the tokens the provider found cached, per
     # request, summed by where the request went (and why, for the router).
     hits = oracle_hits(requests)
@@ -464,7 +539,11 @@ def policy_figures(run: dict[str, Any], requests: list[TraceRequest], oracle_tok
         "requests_by_provider": {name: sum(1 for s in samples if s.info.get("provider") == name)
                                  for name in (*OWN, THIRD_PARTY)},
         "third_party_requests": len(third),
+        "third_party_share": len(third) / summary["sent"] if summary["sent"] else math.nan,
         "third_party_decided": sum(v for k, v in by_reason.items() if k in DECIDED_REASONS),
+        "third_party_with_own_slot_within_1s": freed[1.0],
+        "third_party_with_own_slot_within_2s": freed[2.0],
+        "queue": run.get("queue"),
         "third_party_by_reason": by_reason,
         "reuse_lost_share_of_oracle_by_destination": {k: v / oracle_tokens for k, v in sorted(lost.items())}
         if oracle_tokens else {},
@@ -509,6 +588,19 @@ def report(result: dict[str, Any]) -> None:
                   p.get("reuse_lost_repinned_elsewhere_share_of_oracle", "-"), p.get("repinned_elsewhere_requests", "-"),
                   ", ".join(f"{k} {v}" for k, v in sorted(p.get("repinned_elsewhere_by_move", {}).items())) or "-"]
                  for p in result["policies"]])
+    print_table("Third-party requests a decision sent there, and an own slot free within 1 s / 2 s of their send",
+                ["policy", "3rd-party decided", "own slot within 1 s", "own slot within 2 s"],
+                [[p["policy"], p["third_party_decided"], p.get("third_party_with_own_slot_within_1s", "-"),
+                  p.get("third_party_with_own_slot_within_2s", "-")] for p in result["policies"] if p["policy"] in ROUTER_POLICIES])
+    compared = {p["policy"]: p for p in result["policies"] if p["policy"] in ("router", "router_queue")}
+    if compared:
+        print_table(f"Queue on and off (router_queue: max_wait_ms {result['args'].get('queue_max_wait_ms')})",
+                    ["policy", "3rd-party share", "own reuse/oracle", "TTFT p99 ms", "providers breached", "max in flight/limit",
+                     "offloads avoided", "waits timed out", "shed"],
+                    [[name, p["third_party_share"], p["own_reuse_share_of_oracle"], p["ttft_p99_ms"], p["breaches"],
+                      f"{max(p['max_in_flight'].values())}/{p['limit']}",
+                      *((p["queue"] or {}).get(k, "-") for k in ("offloads_avoided", "timed_out", "shed"))]
+                     for name, p in compared.items()])
     lost_rows = [[p["policy"], where, share] for p in result["policies"]
             for where, share in p.get("reuse_lost_share_of_oracle_by_destination", {}).items() if share]
     print_table("Reuse lost against the oracle (share of the oracle's reused tokens), by destination",
@@ -518,12 +610,15 @@ def report(result: dict[str, Any]) -> None:
     print_figure("oracle_share_of_prompt_tokens", result["oracle_share"])
     for p in result["policies"]:
         name = p["policy"]
-        for key in ("reuse_share_of_oracle", "own_reuse_share_of_oracle", "third_party_requests",
-                    "third_party_decided", "needless_offloads", "breaches", "worst_excess", "errors",
+        for key in ("reuse_share_of_oracle", "own_reuse_share_of_oracle", "third_party_requests", "third_party_share",
+                    "third_party_decided", "third_party_with_own_slot_within_1s", "third_party_with_own_slot_within_2s",
+                    "needless_offloads", "breaches", "worst_excess", "errors",
                     "queued_requests", "reuse_lost_moved_share_of_oracle",
                     "reuse_lost_repinned_elsewhere_share_of_oracle", "latency_p50_ms",
                     "latency_p90_ms", "latency_p99_ms", "ttft_p50_ms", "ttft_p99_ms"):
-            print_figure(f"{key}@{name}", p[key])
+            print_figure(f"{key}@{name}", p.get(key, math.nan))
+        for key, value in (p.get("queue") or {}).items():
+            print_figure(f"queue_{key}@{name}", value)
 
 
 def plot(result: dict[str, Any], plot_dir: Path) -> list[Path]:
@@ -595,6 +690,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="own providers' capacity: generations at once, the others wait (0: no limit)")
     parser.add_argument("--decode-ms-per-running-seq", type=float, default=1.0,
                         help="own providers: extra ms per token for every other generation running")
+    parser.add_argument("--queue-max-wait-ms", type=int, default=2000,
+                        help="router_queue: how long a request may wait for an own slot (ms, real time; "
+                             "below Envoy's ext_proc message timeout minus the decision timeout)")
     parser.add_argument("--remember-seconds", type=float,
                         help="router_prefer_previous: how long a previous provider is remembered (s); "
                              "default 3600 s of trace time, compressed like it")

@@ -505,7 +505,8 @@ def _pair_list(counts: dict[tuple[str, str], int]) -> str:
 
 def _status(args) -> int:
     """One line per (provider, model): live request leases and pins against their limits (`-`:
-    no limit), the state (`healthy`, `degraded` by automatic flags, or `drained` while an
+    no limit), the tickets waiting in its admission queue per class when the queue is on
+    (docs/queue.md), the state (`healthy`, `degraded` by automatic flags, or `drained` while an
     operator's flag holds) and why, each flag with its source, reason and the time it still
     holds; then the live proxy instances and the outage policy they run (what routes while Redis
     is gone). Unlimited providers are never degraded.
@@ -549,13 +550,16 @@ def _status(args) -> int:
         print(orjson.dumps(document, option=orjson.OPT_INDENT_2).decode())
         return 0
     if fleet is not None:
-        print(f"{'provider':<16}{'kind':<11}{'model':<28}{'in-flight':<11}{'pins':<16}{'state':<10}why")
+        queues = any(pair.queued for pair in fleet.pairs)  # the admission queue is on for some model (docs/queue.md)
+        queued_head = f"{'queued':<24}" if queues else ""
+        print(f"{'provider':<16}{'kind':<11}{'model':<28}{'in-flight':<11}{'pins':<16}{queued_head}{'state':<10}why")
         for pair in fleet.pairs:
             why = "; ".join(_flag_text(f) for f in pair.flags)
             if pair.kind == "unlimited":
                 why = "unlimited: never degraded"
             in_flight, pins = _of_limit(pair.in_flight, pair.in_flight_limit), _of_limit(pair.pins, pair.pin_limit)
-            print(f"{pair.provider:<16}{pair.kind:<11}{pair.model:<28}{in_flight:<11}{pins:<16}{pair.state:<10}{why}".rstrip())
+            queued = f"{_queued_text(pair.queued):<24}" if queues else ""
+            print(f"{pair.provider:<16}{pair.kind:<11}{pair.model:<28}{in_flight:<11}{pins:<16}{queued}{pair.state:<10}{why}".rstrip())
     print(f"live proxy instances: {fleet.live_instances if fleet is not None else len(running)}")
     print(f"outage policy: {policy['policy']} ({policy['source']}): while Redis is unreachable, {OUTAGE_POLICIES[policy['policy']]}")
     return 0
@@ -645,6 +649,15 @@ def _outage_policy(running, file_config: Config | None, settings: RedisSettings)
         policy = settings.outage_policy
         source = "the routing config's redis section" if "outage_policy" in settings.model_fields_set else "the default"
     return {"policy": policy, "source": source, "instances": dict(policies)}
+
+
+def _queued_text(queued: dict[str, int]) -> str:
+    """Live tickets per priority class, `interactive 3, batch 1`; `0` when none waits, `-` when the
+    queue is off for the model."""
+    if not queued:
+        return "-"
+    waiting = [f"{name} {count}" for name, count in queued.items() if count]
+    return ", ".join(waiting) or "0"
 
 
 def _of_limit(count: int, limit: int | None) -> str:

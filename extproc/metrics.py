@@ -140,3 +140,27 @@ def model_label(model: str, configured: frozenset[str] | set[str]) -> str:
     """The `gen_ai_request_model` value for a request's model: itself when configured, else ""
     (a client must not be able to create label values)."""
     return model if model in configured else ""
+
+
+# The admission queue (extproc.routing.queue, docs/queue.md). Its depth per pair and class is a
+# fleet gauge read from Redis at scrape time (iris_queue_depth, extproc.operations.exporter).
+QUEUE_WAIT_SECONDS = Histogram(
+    "iris_queue_wait_seconds",
+    "Time a request waited in the admission queue for an own slot (seconds), by the provider that served it "
+    "(empty unless admitted), model, priority class and how the wait ended: admitted, timed_out, left",
+    ["provider", MODEL, "priority", "outcome"],
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+)
+QUEUE_OFFLOADS_AVOIDED = Counter(
+    "iris_queue_offloads_avoided_total",
+    "Requests an own provider served after they waited in the admission queue (without it: the third party or a rejection)",
+    ["provider", MODEL, "priority"],
+)
+QUEUE_TIMEOUTS = Counter(
+    "iris_queue_timeouts_total", "Waits in the admission queue that ended without an own slot (max_wait_ms passed)", [MODEL, "priority"]
+)
+QUEUE_SHED = Counter(
+    "iris_queue_shed_total",
+    "Places in a pair's admission queue refused because the class's queue there was at max_depth (one per pair)",
+    [MODEL, "priority"],
+)

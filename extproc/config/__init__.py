@@ -13,6 +13,7 @@ from extproc.config.schema import (
     RESTART_ONLY,
     ROUTER_SESSION_HEADERS,
     SUB_FEATURES,
+    AdmissionQueue,
     Affinity,
     Config,
     Credentials,
@@ -21,6 +22,7 @@ from extproc.config.schema import (
     LoadGauge,
     LoadSignal,
     ModelLimits,
+    PriorityClass,
     Provider,
     ProviderKind,
     RedisSettings,
@@ -29,7 +31,8 @@ from extproc.config.schema import (
 )
 
 __all__ = [
-    "ROUTER_SESSION_HEADERS", "Affinity", "DEFAULT_PRIVATE_HEADERS", "FEATURE_CLASSES", "RESTART_ONLY", "SUB_FEATURES", "Config", "ConfigError",
-    "Credentials", "HealthCheck", "IdentitySource", "LOAD_PRESETS", "LoadGauge", "LoadSignal", "ModelLimits", "Provider", "ProviderKind",
+    "ROUTER_SESSION_HEADERS", "AdmissionQueue", "Affinity", "DEFAULT_PRIVATE_HEADERS", "FEATURE_CLASSES",
+    "RESTART_ONLY", "SUB_FEATURES", "Config", "ConfigError", "Credentials", "HealthCheck", "IdentitySource",
+    "LOAD_PRESETS", "LoadGauge", "LoadSignal", "ModelLimits", "PriorityClass", "Provider", "ProviderKind",
     "RedisSettings", "SessionSignal", "load_config", "parse_config", "restart_only_fields",
 ]

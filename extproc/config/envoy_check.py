@@ -10,10 +10,12 @@ hashes on `server.affinity_header` and the early header mutation removes it too;
 `sessionless_cluster` exists and does not hash; the ext_proc filter's cluster reaches
 `server.listen`'s port and the port of every worker (`server.workers`: listen's port + i), and
 its `mutation_rules` let the server remove every `x-envoy-*` header it must remove
-(`adaptation.private_headers`, ...: Envoy ignores such a removal otherwise); each health-check
-and load URL points at the provider's own cluster (the same host and port when the cluster is
-STATIC). `check` answers one plain sentence per disagreement; an empty list means the pair
-agrees. Used by `iris-extproc check`, `serve --envoy`, `up` and the configuration reload.
+(`adaptation.private_headers`, ...: Envoy ignores such a removal otherwise); with the admission
+queue on, its class header is removed early too and the filter's `message_timeout` outlasts the
+longest wait (docs/queue.md); each health-check and load URL points at the provider's own
+cluster (the same host and port when the cluster is STATIC). `check` answers one plain sentence
+per disagreement; an empty list means the pair agrees. Used by `iris-extproc check`, `serve
+--envoy`, `up` and the configuration reload.
 """
 
 from __future__ import annotations
@@ -83,6 +85,7 @@ def check(config: Config, bootstrap: dict[str, Any], envoy_name: str = "envoy.ya
             problems += _ext_proc_problems(config.server, manager, clusters, envoy_name)
         problems += _mutation_rule_problems(config, manager, envoy_name)
         problems += _mode_override_problems(manager, envoy_name)
+        problems += _queue_problems(config, manager, envoy_name)
     if addresses:
         for provider in config.providers:
             cluster = clusters.get(provider.cluster)
@@ -204,6 +207,35 @@ def _identity_header_problems(config: Config, manager: dict[str, Any], envoy_nam
         for header in config.session.trusted_identity_headers
         if header.lower() not in removed
     ]
+
+
+def _queue_problems(config: Config, manager: dict[str, Any], envoy_name: str) -> list[str]:
+    """With the admission queue on for some model (docs/queue.md): its class header, when set, is
+    removed by the early mutation (only the authenticating filter may set it), and the ext_proc
+    filter's `message_timeout` (Envoy's default: 200 ms) outlasts a decision that waits its
+    longest (`server.decision_timeout_seconds` + the longest `max_wait_ms`)."""
+    queue = config.routing.queue
+    if not any(queue.enabled(model) for model in config.models()):
+        return []
+    problems = []
+    header = queue.class_header
+    if header is not None and header.lower() not in removed_early(manager):
+        problems.append(f"{envoy_name}: no early header mutation removes {header!r} (routing.queue.class_header), so any client "
+                        "could choose its priority (early_header_mutation_extensions: remove; an authenticating filter then sets it)")
+    longest = config.server.decision_timeout_seconds + queue.longest_wait_ms() / 1000
+    for ext_proc in (_dict(f) for f in _list(manager.get("http_filters")) if _dict(f).get("name") == EXT_PROC_FILTER):
+        timeout = _seconds(_dict(ext_proc.get("typed_config")).get("message_timeout", "0.2s"))
+        if timeout is not None and timeout <= longest:
+            problems.append(f"{envoy_name}: the ext_proc filter's message_timeout ({timeout:g} s) must exceed "
+                            f"server.decision_timeout_seconds + the longest routing.queue max_wait_ms ({longest:g} s), "
+                            "or a request that waits in the admission queue fails")
+    return problems
+
+
+def _seconds(duration: Any) -> float | None:
+    """A protobuf Duration as YAML writes it (`5s`, `0.25s`), in seconds; None when unreadable."""
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)s\s*", str(duration))
+    return float(match.group(1)) if match else None
 
 
 def _mutation_rule_problems(config: Config, manager: dict[str, Any], envoy_name: str) -> list[str]:

@@ -96,6 +96,34 @@ def _cross_field_problems(config: Config) -> list[str]:
     problems.extend(_session_problems(config))
     problems.extend(_redis_problems(config.redis))
     problems.extend(_passthrough_problems(config))
+    problems.extend(_queue_problems(config))
+    return problems
+
+
+def _queue_problems(config: Config) -> list[str]:
+    """Class names once each and known where used; tickets renewed in time by the waiters' polls;
+    the class header is a header of its own."""
+    queue = config.routing.queue
+    at = "routing.queue"
+    names = [c.name for c in queue.classes]
+    problems = [f"{at}.classes: duplicate class {name!r}" for name, count in Counter(names).items() if count > 1]
+    if queue.default_class not in names:
+        problems.append(f"{at}.default_class: {queue.default_class!r} is not one of the classes {names}")
+    for identity, name in queue.identity_classes.items():
+        if name not in names:
+            problems.append(f"{at}.identity_classes.{identity}: {name!r} is not one of the classes {names}")
+    models = set(config.models())
+    for i, priority in enumerate(queue.classes):
+        for model in priority.max_wait_ms_by_model:
+            if model not in models:
+                problems.append(f"{at}.classes[{i}].max_wait_ms_by_model: no provider serves the model {model!r}")
+    if queue.ticket_lease_ms < 3 * queue.poll_ms:
+        problems.append(f"{at}.ticket_lease_ms: must be at least 3 x poll_ms ({3 * queue.poll_ms}): the polls renew the tickets")
+    header = queue.class_header
+    taken = {config.server.routing_header, config.server.affinity_header, *config.session.trusted_identity_headers,
+             *config.session.session_headers, *config.session.agent_session_headers, *config.adaptation.client_credential_headers}
+    if header is not None and header in taken:
+        problems.append(f"{at}.class_header: {header!r} is already the routing, affinity, identity, session or credential header")
     return problems
 
 

@@ -216,10 +216,59 @@ class PreferPreviousProvider(_Strict):
     max_sessions: int = Field(default=100_000, gt=0)
 
 
+class PriorityClass(_Strict):
+    """One priority class of the admission queue (docs/queue.md). `max_wait_ms` (milliseconds; 0:
+    never waits, the spec) is how long a request of this class may wait for a slot of an own
+    provider before the spec's next step (the third party, or the rejection);
+    `max_wait_ms_by_model` overrides it per model. `max_depth`: the tickets of this class one
+    (provider, model) queue holds at most (a request beyond it does not wait). With
+    `use_reserved_slots` false the class never uses the slots reserved for pinned sessions."""
+
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9._-]+$")
+    max_wait_ms: int = Field(default=0, ge=0, le=60_000)
+    max_wait_ms_by_model: dict[str, Annotated[int, Field(ge=0, le=60_000)]] = {}
+    max_depth: int = Field(default=256, ge=1, le=100_000)
+    use_reserved_slots: bool = True
+
+    def max_wait_ms_for(self, model: str) -> int:
+        """The wait of this class for `model`, milliseconds."""
+        return self.max_wait_ms_by_model.get(model, self.max_wait_ms)
+
+
+DEFAULT_PRIORITY_CLASSES = (PriorityClass(name="interactive"), PriorityClass(name="batch", use_reserved_slots=False))
+
+
+class AdmissionQueue(_Strict):
+    """The admission queue shared by every proxy (docs/queue.md), off unless some class waits
+    (`max_wait_ms` above 0). `classes` in strict priority order, the first served first (at most 8).
+    A request's class: the value of the trusted header `class_header` when it names a class, else
+    its identity's entry in `identity_classes` (an identity as sessions write it,
+    `trusted_header:<value>` or `credential:<hash>`; body identities are never looked up), else
+    `default_class`. A waiting request holds a ticket that expires `ticket_lease_ms` after its
+    last renewal (milliseconds); its waiter tries for a slot at least every `poll_ms` (a backstop
+    to the pub/sub wake-up), which renews it: `ticket_lease_ms` must be at least 3 x `poll_ms`."""
+
+    classes: list[PriorityClass] = Field(default=list(DEFAULT_PRIORITY_CLASSES), min_length=1, max_length=8)
+    default_class: str = "interactive"
+    class_header: HeaderName | None = None
+    identity_classes: dict[str, str] = {}
+    ticket_lease_ms: int = Field(default=3000, gt=0)
+    poll_ms: int = Field(default=500, gt=0)
+
+    def enabled(self, model: str) -> bool:
+        """Whether some class may wait for `model`: the queue is on for it."""
+        return any(c.max_wait_ms_for(model) > 0 for c in self.classes)
+
+    def longest_wait_ms(self) -> int:
+        """The longest wait of any class for any model, milliseconds."""
+        return max(max([c.max_wait_ms, *c.max_wait_ms_by_model.values()]) for c in self.classes)
+
+
 class RoutingSettings(_Strict):
     """Options of the routing algorithm beyond the spec (each off by default)."""
 
     prefer_previous_provider: PreferPreviousProvider = PreferPreviousProvider()
+    queue: AdmissionQueue = AdmissionQueue()
 
 
 # What tells who a client is, or where it is, to a third party: never sent to unlimited providers.

@@ -93,6 +93,11 @@ class SessionKeys:
                 return f"{source.value}:{value[:MAX_SIGNAL_CHARS]}"
         return ""
 
+    def tenant(self, identity: str) -> str:
+        """The admission queue's fairness key of `identity` (docs/queue.md): a keyed hash, 16 hex
+        characters, so Redis never holds the identity itself."""
+        return keyed_hash(self.secret, b"tenant", identity.encode())[:16]
+
     def session(
         self, headers: HeaderSignals, request: ParsedRequest, identity: str, chained_session: str | None = None
     ) -> SessionKey:

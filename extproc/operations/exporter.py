@@ -86,11 +86,15 @@ class FleetCollector(Collector):
                 "iris_degraded", "1 while the pair's degraded flag of `source` holds (managed pairs only)", labels=[*_PAIR, "source"]
             ),
             GaugeMetricFamily("iris_live_instances", "Proxy instances whose heartbeat holds in Redis"),
+            GaugeMetricFamily(
+                "iris_queue_depth", "Live tickets waiting in the pair's admission queue, by priority class (Redis)",
+                labels=[*_PAIR, "priority"],
+            ),
             GaugeMetricFamily("iris_fleet_state_read_seconds", "Duration of the last fleet-state read from Redis (seconds)"),
         ]
 
     def _fill(self, families: list[GaugeMetricFamily], state: FleetState) -> None:
-        in_flight, limit, reserved, pins, pin_limit, degraded, instances, read_seconds = families
+        in_flight, limit, reserved, pins, pin_limit, degraded, instances, queue_depth, read_seconds = families
         for pair in state.pairs:
             labels = [pair.provider, pair.kind, pair.model]
             in_flight.add_metric(labels, pair.in_flight)
@@ -104,6 +108,8 @@ class FleetCollector(Collector):
                 held = {flag.source for flag in pair.flags}
                 for source in SOURCES:
                     degraded.add_metric([*labels, source], 1 if source in held else 0)
+            for priority, depth in pair.queued.items():
+                queue_depth.add_metric([*labels, priority], depth)
         instances.add_metric([], state.live_instances)
         read_seconds.add_metric([], self.fleet.last_read_seconds)
 

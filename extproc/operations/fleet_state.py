@@ -59,6 +59,7 @@ class PairState:
     pins: int
     pin_limit: int | None
     flags: list[Flag] = field(default_factory=list)
+    queued: dict[str, int] = field(default_factory=dict)  # live tickets per priority class (docs/queue.md); {} while off
 
     @property
     def state(self) -> str:
@@ -100,11 +101,14 @@ class FleetStateReader:
         keys = Keyspace(config.redis.key_prefix)
         # Per model: the providers serving it (priority order), the keys and the managed flags.
         models: list[tuple[str, list, list[str], list[tuple[str, str]]]] = []
+        queue = config.routing.queue
         for model in config.models():
             providers = config.providers_for(model)
             flags = [(p.name, s) for p in providers if p.kind is ProviderKind.MANAGED for s in SOURCES]
             key_list = [k for p in providers for k in (keys.provider_pins(model, p.name), keys.provider_leases(model, p.name))]
             key_list += [keys.degraded(model, provider, source) for provider, source in flags]
+            if queue.enabled(model):
+                key_list += [keys.tickets(model), *(keys.queue(model, p.name) for p in providers)]
             models.append((model, providers, key_list, flags))
         self._read_plan = (config, models)
 
@@ -116,8 +120,9 @@ class FleetStateReader:
         """One pipelined round trip. Raises redis.exceptions.RedisError."""
         config, models = self._read_plan  # one config's plan, whatever a reload does meanwhile
         async with self.redis.pipeline(transaction=False) as pipe:
-            for _, providers, key_list, _ in models:
-                pipe.eval(self._script, len(key_list), *key_list, len(providers))
+            for model, providers, key_list, flag_keys in models:
+                classes = len(config.routing.queue.classes) if config.routing.queue.enabled(model) else 0
+                pipe.eval(self._script, len(key_list), *key_list, len(providers), len(flag_keys), classes)
             pipe.eval(_INSTANCES_SCRIPT, 1, self._instances_key)
             replies = await pipe.execute()
         by_pair: dict[tuple[str, str], PairState] = {}
@@ -125,7 +130,9 @@ class FleetStateReader:
         for (model, providers, _, flag_keys), reply in zip(models, replies):
             now_ms = max(now_ms, int(reply[0]))
             counts = reply[1 : 1 + 2 * len(providers)]
-            flag_replies = reply[1 + 2 * len(providers) :]
+            flag_replies = reply[1 + 2 * len(providers) : 1 + 2 * len(providers) + 2 * len(flag_keys)]
+            queued = reply[1 + 2 * len(providers) + 2 * len(flag_keys) :]
+            class_names = [c.name for c in config.routing.queue.classes]
             flags: dict[str, list[Flag]] = {}
             for i, (provider, source) in enumerate(flag_keys):
                 value, pttl = flag_replies[2 * i], flag_replies[2 * i + 1]
@@ -144,6 +151,7 @@ class FleetStateReader:
                     pins=int(counts[2 * i]),
                     pin_limit=self.config.pin_limit(provider, model)[0],  # the cap where none is configured
                     flags=flags.get(provider.name, []),
+                    queued={name: int(queued[i * len(class_names) + c]) for c, name in enumerate(class_names)} if queued else {},
                 )
         pairs = [by_pair[(p.name, m)] for p in config.providers_in_priority_order() for m in p.models]
         return FleetState(now_ms, int(replies[-1]), pairs)

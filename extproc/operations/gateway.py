@@ -33,6 +33,7 @@ from extproc.protocol.stream import ExternalProcessor
 from extproc.routing.degraded import DegradedFlags
 from extproc.routing.lease_table import LeaseTable
 from extproc.routing.outage import InstanceRegistry, OutagePolicy, RedisBreaker
+from extproc.routing.queue import Wakeups
 from extproc.storage.client import REDIS_FAILURES, open_redis
 from extproc.supervision import run_every
 
@@ -59,7 +60,8 @@ class Gateway:
         self.redis = open_redis(config.redis)
         self.secret = secret
         self.degraded = DegradedFlags(self.redis, config)
-        live = build_live(config, self.redis, self.degraded, secret)
+        self.wakeups = Wakeups()  # the admission queue's wake-ups (docs/queue.md), for every config
+        live = build_live(config, self.redis, self.degraded, secret, self.wakeups)
         self.registry = InstanceRegistry(self.redis, config.redis.key_prefix, ttl_seconds=config.redis.instance_heartbeat_seconds * 5)
         self.registry.description = instance_description(config)  # what `iris-extproc status` shows without a file
         self.breaker = RedisBreaker(self.redis, config.redis.breaker_failures_in_a_row)
@@ -103,6 +105,7 @@ class Gateway:
             asyncio.create_task(self.degraded.run_refresher(self.config.server.degraded_refresh_seconds)),
             asyncio.create_task(run_every("heartbeat", self._heartbeat_once, redis.instance_heartbeat_seconds)),
             asyncio.create_task(run_every("redis_probe", self._probe_once, redis.probe_interval_seconds)),
+            asyncio.create_task(run_every("queue_wakeups", self._listen_for_wakeups, redis.probe_interval_seconds)),
         ]
         sample = exporter.track_process_gauges(lambda: self.breaker.is_open, lambda: self.leases.local_leases)
         if sample is not None:  # several workers: their files, written once a second
@@ -125,6 +128,17 @@ class Gateway:
             metrics.REDIS_ERRORS.labels("heartbeat").inc()
             self.breaker.record_failure(exc)
 
+    async def _listen_for_wakeups(self) -> None:
+        """The admission queue's pub/sub subscription (extproc.routing.queue.Wakeups.listen): one
+        connection for the wake-up channels of the models whose queue is on; after a failure it is
+        opened again (meanwhile waiters poll)."""
+        await self.wakeups.listen(self.redis, self._wakeup_channels)
+
+    def _wakeup_channels(self) -> tuple[str, ...]:
+        config = self.config
+        keys = self.leases.state.keys
+        return tuple(keys.queue_wake(m) for m in config.models() if config.routing.queue.enabled(m))
+
     async def _probe_once(self) -> None:
         """While the breaker is open, probe Redis; when it answers, the lease table adopts what
         is held and shared routing resumes (scripts reload by themselves on NOSCRIPT)."""
@@ -145,7 +159,7 @@ class Gateway:
         are reconfigured in place; the health monitor is replaced only when its checks changed;
         the metrics' fleet-state reader reads the new pairs. Raises CredentialError (nothing
         swapped)."""
-        live = build_live(new, self.redis, self.degraded, self.secret)
+        live = build_live(new, self.redis, self.degraded, self.secret, self.wakeups)
         old, self.config = self.config, new
         self.processor.apply(live)
         self.leases.reconfigure(new, live.state, live.router)
@@ -179,6 +193,7 @@ class Gateway:
         await self.serving.enter_graceful_shutdown()
         await asyncio.sleep(delay)
         log.info("draining: no new streams, up to %s s for open ones", settings.drain_grace_seconds)
+        self.wakeups.close()  # requests waiting in the admission queue take their next step now
         await self.server.stop(settings.drain_grace_seconds)
         await self.leases.drain()
         await self.health.close()

@@ -16,6 +16,7 @@ from extproc.openai_api.chains import ResponseChains
 from extproc.openai_api.sessions import SessionKeys
 from extproc.protocol import messages as msg
 from extproc.routing.degraded import DegradedFlags
+from extproc.routing.queue import Wakeups
 from extproc.routing.router import Router
 from extproc.routing.state import RoutingState
 
@@ -39,12 +40,13 @@ class LiveConfig:
     responses_models: tuple[str, ...]  # the models some provider serves with `responses`: where a response id may live
 
 
-def build_live(config: Config, redis: Redis, degraded: DegradedFlags, secret: bytes) -> LiveConfig:
-    """Everything a request needs from `config` (`secret`: the session secret). Raises
+def build_live(config: Config, redis: Redis, degraded: DegradedFlags, secret: bytes, wakeups: Wakeups | None = None) -> LiveConfig:
+    """Everything a request needs from `config` (`secret`: the session secret; `wakeups`: the
+    process's admission-queue wake-ups, shared by every config). Raises
     adaptation.CredentialError when an API key cannot be read."""
     state = RoutingState(redis, config)
     return LiveConfig(
-        config, state, Router(config, state, degraded), RequestAdapter(config), SessionKeys(config, secret),
+        config, state, Router(config, state, degraded, wakeups), RequestAdapter(config), SessionKeys(config, secret),
         ResponseChains(redis, config, secret), frozenset(config.models()), msg.model_list_body(config.models(), int(time.time())),
         {e.path: e.feature for e in config.passthrough_endpoints},
         tuple(m for m in config.models() if any(p.supports(m, "responses") for p in config.providers_for(m))),

@@ -65,6 +65,7 @@ class StreamState:
     method: str = ""
     signals: HeaderSignals = HeaderSignals()
     identity: str = ""
+    priority_header: str | None = None  # the admission queue's trusted class header, when configured (docs/queue.md)
     session_id: str | None = None
     stores_response: bool = False  # a /v1/responses request whose answer is stored (store not false)
     reads_response_id: bool = False  # the answer's response id is worth its cost (see _routing_request)
@@ -172,6 +173,9 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
         stream.path = headers.get(":path", "")
         stream.method = headers.get(":method", "")
         stream.signals = self.sessions.read_headers(headers)
+        class_header = self.config.routing.queue.class_header
+        if class_header is not None:
+            stream.priority_header = headers.get(class_header)
         try:
             if answers.is_models_path(stream.path):
                 return answers.models(stream.method, stream.path, self.live.model_list, self.live.models)
@@ -258,7 +262,11 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
         )
         metrics.SESSION_SIGNALS.labels(key.signal.value if key.signal else "none").inc()
         required = link.provider if link else None
-        return RoutingRequest(parsed.model, parsed.feature, parsed.sub_features, key.session_id, required)
+        priority, tenant = None, ""
+        queue = self.live.router.queue
+        if queue.enabled(parsed.model):  # the admission queue's class and fairness key (docs/queue.md)
+            priority, tenant = queue.class_for(stream.priority_header, stream.identity), self.sessions.tenant(stream.identity)
+        return RoutingRequest(parsed.model, parsed.feature, parsed.sub_features, key.session_id, required, priority, tenant)
 
     def _answer_refused(
         self, outcome: Refusal | Rejection, request: RoutingRequest, parsed: ParsedRequest, live: LiveConfig, decision_ms: float

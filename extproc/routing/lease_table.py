@@ -175,8 +175,10 @@ class LeaseTable:
     async def decide(
         self, request: RoutingRequest, router: Router | None = None, state: RoutingState | None = None
     ) -> Held | Rejection | Refusal:
-        """Decide through Redis (within `server.decision_timeout_seconds`), or through the
-        outage policy while the breaker is open or when this decision's Redis calls failed.
+        """Decide through Redis (within `server.decision_timeout_seconds`, plus the request's
+        `max_wait_ms` when it may wait in the admission queue), or through the outage policy while
+        the breaker is open or when this decision's Redis calls failed. A decision cancelled while
+        its request waits in the queue is abandoned like any other: its ticket goes with its ids.
         `router` and `state` (default: the table's) are one config's pair (extproc.operations.reload).
         Raises asyncio.CancelledError when the stream is cancelled (its ids are abandoned)."""
         router, state = router or self.router, state or self.state
@@ -186,8 +188,10 @@ class LeaseTable:
             return self._decide_locally(request, state, shares=False)
         ids = Ids.fresh()
         admission = None
+        # A request that may wait in the admission queue (docs/queue.md) has its wait on top.
+        timeout = self.config.server.decision_timeout_seconds + router.queue_wait_seconds(request)
         try:
-            async with asyncio.timeout(self.config.server.decision_timeout_seconds):
+            async with asyncio.timeout(timeout):
                 epoch_read = self._epoch_read_shared()
                 # A task of its own (storage.client.in_own_task): the timeout or a cancellation
                 # reaches this decision at once on every Python, and the admission lands or fails
@@ -202,6 +206,7 @@ class LeaseTable:
             # Even a decision that found the pool exhausted: an earlier call of it may have admitted
             # (a pinned admission that met a changed pin, then could not release). An id never
             # admitted answers NOT_FOUND.
+            router.wakeups.abandon(ids.lease_id)  # a wait in the admission queue ends now: its ticket goes
             self._abandon(request, ids, state, admission)
             if is_pool_exhausted(exc):
                 return Refusal.OVERLOADED
@@ -209,6 +214,7 @@ class LeaseTable:
             self.breaker.record_failure(exc)
             return self._decide_locally(request, state)
         except BaseException:
+            router.wakeups.abandon(ids.lease_id)  # a wait in the admission queue ends now: its ticket goes
             self._abandon(request, ids, state, admission)
             raise
         self.breaker.record_success()

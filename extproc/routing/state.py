@@ -47,6 +47,9 @@ class Result(str, enum.Enum):
     RELEASED = "RELEASED"
     LEASE_EXPIRED = "LEASE_EXPIRED"
     NOT_FOUND = "NOT_FOUND"
+    # The admission queue (docs/queue.md); never answered while it is off.
+    QUEUED = "QUEUED"  # the request's ticket waits in the pair's queue
+    TICKET_LOST = "TICKET_LOST"  # the waiting ticket is gone (its lease ended, or Redis lost it)
 
 
 CAPACITY_RESULTS = frozenset(
@@ -57,6 +60,10 @@ CAPACITY_RESULTS = frozenset(
         Result.UNRESERVED_IN_FLIGHT_REQUEST_LIMIT_REACHED,
     }
 )
+
+
+# The admission queue's answers (docs/queue.md): none of them while it is off for the model.
+QUEUE_RESULTS = frozenset({Result.QUEUED, Result.TICKET_LOST})
 
 
 class PinMatch(str, enum.Enum):
@@ -101,6 +108,22 @@ class Admission:
 
 
 @dataclass(frozen=True, slots=True)
+class QueueArgs:
+    """What the admission queue's gate (lua/queue.lua) needs of one call: the request's class rank
+    (0: highest priority), whether its class may use the slots reserved for pinned sessions, its
+    tenant (a keyed hash of its identity), its ticket id ("" for none), the mode ("none": never
+    queue, "join": queue when refused for slots, "wait": the ticket must exist) and its class's
+    max depth per pair."""
+
+    class_rank: int
+    may_use_reserved: bool
+    tenant: str
+    ticket: str
+    mode: str
+    max_depth: int
+
+
+@dataclass(frozen=True, slots=True)
 class CasResult:
     """The answer of try_compare_and_swap_pin_and_admit_request."""
 
@@ -129,6 +152,13 @@ SCRIPT_NAMES = (
     "release",
     "adopt",
     "abandon",
+    "queue_leave",
+)
+
+# The scripts that take the admission queue's keys when it is on for the model (lua/queue.lua):
+# those that admit, free a slot or remove a ticket.
+QUEUE_SCRIPTS = frozenset(
+    {"get_pin_and_admit", "admit_unpinned", "admit_pinned", "cas_repin", "admit_without_pin", "release", "abandon", "queue_leave"}
 )
 
 
@@ -143,8 +173,9 @@ def script_body(name: str) -> str:
 
 
 def script_source(name: str) -> str:
-    """The full source of script `name`: lua/lib.lua followed by lua/<name>.lua."""
-    return script_body("lib") + "\n" + script_body(name)
+    """The full source of script `name`: lua/lib.lua, lua/queue.lua (the admission queue), then
+    lua/<name>.lua."""
+    return script_body("lib") + "\n" + script_body("queue") + "\n" + script_body(name)
 
 
 def new_id() -> str:
@@ -188,6 +219,24 @@ class RoutingState:
                 for key in (self.keys.provider_pins(model, p.name), self.keys.provider_leases(model, p.name))
             ]
             self._model_args[model] = [*self._timing, len(providers), *_limits_args(config, model, providers)]
+        self._queue_keys: dict[str, list[str]] = {}
+        self._queue_default: dict[str, QueueArgs] = {}
+        queue = config.routing.queue
+        for model in config.models():
+            if queue.enabled(model):
+                providers = config.providers_for(model)
+                self._queue_keys[model] = [
+                    self.keys.tickets(model), self.keys.queue_state(model), self.keys.queue_finish(model),
+                    *(k for p in providers for k in (self.keys.queue(model, p.name), self.keys.reserved_queue(model, p.name))),
+                ]
+                default = next(c for c in queue.classes if c.name == queue.default_class)
+                self._queue_default[model] = QueueArgs(
+                    [c.name for c in queue.classes].index(default.name), default.use_reserved_slots, "", "", "none", default.max_depth
+                )
+
+    def queue_enabled(self, model: str) -> bool:
+        """Whether the admission queue is on for `model` (some class may wait: docs/queue.md)."""
+        return model in self._queue_keys
 
     def serves(self, provider: str, model: str) -> bool:
         """Whether this state's config has the pair (provider, model): its scripts know its keys."""
@@ -212,6 +261,7 @@ class RoutingState:
         lease_id: str | None = None,
         pin_id: str | None = None,
         now_ms: int | None = None,
+        queue: QueueArgs | None = None,
     ) -> tuple[Pin | None, Admission | None]:
         """The spec's first routing attempt in one round trip: get_pin, then the admission the
         spec would try next: on the pin if its provider is in `eligible` (provider names in
@@ -222,7 +272,7 @@ class RoutingState:
         new pin under, minted by the caller before the call (extproc.routing.lease_table), so a call
         whose answer never comes back can still be abandoned; fresh ones when None."""
         args = [lease_id or new_id(), pin_id or new_id(), *eligible]
-        reply = await self._call("get_pin_and_admit", model, session_id, args, now_ms)
+        reply = await self._call("get_pin_and_admit", model, session_id, args, now_ms, queue=queue)
         pinned_branch = _text(reply[8]) == "pinned"
         admission = _decode(model, session_id, reply[:8], None if pinned_branch else (eligible or [None])[0])
         pin = None
@@ -241,19 +291,21 @@ class RoutingState:
         lease_id: str | None = None,
         pin_id: str | None = None,
         now_ms: int | None = None,
+        queue: QueueArgs | None = None,
     ) -> Admission:
         """Pin the session to `provider` and admit, or answer ALREADY_PINNED (another request
         pinned it first) or a capacity result. New pins may not use reserved slots (the spec)."""
         args = [provider, lease_id or new_id(), pin_id or new_id()]
-        reply = await self._call("admit_unpinned", model, session_id, args, now_ms)
+        reply = await self._call("admit_unpinned", model, session_id, args, now_ms, queue=queue)
         return _decode(model, session_id, reply, provider)
 
     async def try_admit_pinned_session_request(
-        self, model: str, session_id: str, *, lease_id: str | None = None, pin_id: str | None = None, now_ms: int | None = None
+        self, model: str, session_id: str, *, lease_id: str | None = None, pin_id: str | None = None, now_ms: int | None = None,
+        queue: QueueArgs | None = None,
     ) -> Admission:
         """Admit on the session's current pin (reserved slots allowed), or SESSION_NOT_PINNED,
         PER_SESSION_/GLOBAL_IN_FLIGHT_REQUEST_LIMIT_REACHED. `pin` is the pin seen by the script."""
-        reply = await self._call("admit_pinned", model, session_id, [lease_id or new_id()], now_ms)
+        reply = await self._call("admit_pinned", model, session_id, [lease_id or new_id()], now_ms, queue=queue)
         return _decode(model, session_id, reply)
 
     async def try_compare_and_swap_pin_and_admit_request(
@@ -266,6 +318,7 @@ class RoutingState:
         lease_id: str | None = None,
         pin_id: str | None = None,
         now_ms: int | None = None,
+        queue: QueueArgs | None = None,
     ) -> CasResult:
         """Move the pin to `provider` and admit there, only if the live pin is `expected_pin`.
 
@@ -274,16 +327,17 @@ class RoutingState:
         there at once (it is the same pin whenever the ids match)."""
         args = [expected_pin.id, provider, lease_id or new_id(), pin_id or new_id()]
         old_pins = (self.keys.provider_pins(model, expected_pin.provider),)
-        reply = await self._call("cas_repin", model, session_id, args, now_ms, extra_keys=old_pins)
+        reply = await self._call("cas_repin", model, session_id, args, now_ms, extra_keys=old_pins, queue=queue)
         admission = _decode(model, session_id, reply, provider)
         match = PinMatch.MISMATCHED if admission.result is Result.PIN_MISMATCH else PinMatch.MATCHED
         return CasResult(match, admission)
 
     async def try_admit_request_without_pin(
-        self, provider: str, model: str, *, lease_id: str | None = None, pin_id: str | None = None, now_ms: int | None = None
+        self, provider: str, model: str, *, lease_id: str | None = None, pin_id: str | None = None, now_ms: int | None = None,
+        queue: QueueArgs | None = None,
     ) -> Admission:
         """Admit a temporary request (no pin) on a pair with limits; reserved slots not allowed."""
-        reply = await self._call("admit_without_pin", model, "", [provider, lease_id or new_id()], now_ms)
+        reply = await self._call("admit_without_pin", model, "", [provider, lease_id or new_id()], now_ms, queue=queue)
         return _decode(model, None, reply, provider)
 
     async def adopt_request_lease(self, lease: Lease, *, now_ms: int | None = None) -> Admission:
@@ -314,7 +368,19 @@ class RoutingState:
         with it still on its way replays as LEASE_EXPIRED and never admits), and a pin the
         decision made under `pin_id` ends unless another lease holds it. RELEASED when a live
         lease was found, NOT_FOUND when none (the id was never admitted). Idempotent."""
-        reply = await self._call("abandon", model, session_id or "", [lease_id, pin_id], now_ms)
+        queue = self._queue_default.get(model)
+        if queue is not None:  # the decision's ticket, if it waited, has the lease's id
+            queue = QueueArgs(queue.class_rank, queue.may_use_reserved, "", lease_id, "none", queue.max_depth)
+        reply = await self._call("abandon", model, session_id or "", [lease_id, pin_id], now_ms, queue=queue)
+        return LeaseUpdate(Result(_text(reply[0])), None, int(reply[1]))
+
+    async def leave_queue(self, model: str, queue: QueueArgs, *, now_ms: int | None = None) -> LeaseUpdate:
+        """Remove the ticket `queue.ticket` from every queue of `model` (lua/queue_leave.lua): a
+        decision that waited ends without a slot from the queue. RELEASED when the ticket was
+        there, NOT_FOUND otherwise. Idempotent; a no-op (NOT_FOUND) while the queue is off."""
+        if not self.queue_enabled(model):
+            return LeaseUpdate(Result.NOT_FOUND, None, 0)
+        reply = await self._call("queue_leave", model, "", [], now_ms, queue=queue)
         return LeaseUpdate(Result(_text(reply[0])), None, int(reply[1]))
 
     def has_configured_limits(self, provider: Provider, model: str) -> bool:
@@ -330,17 +396,25 @@ class RoutingState:
         now_ms: int | None,
         with_providers: bool = True,
         extra_keys: tuple[str, ...] = (),
+        queue: QueueArgs | None = None,
     ) -> list:
+        """`queue`: the call's admission-queue arguments; None: the model's default (a request of
+        the default class without a ticket). Ignored unless the queue is on for the model and the
+        script is one of QUEUE_SCRIPTS."""
         keys = [
             self.keys.pin(model, session_id),
             self.keys.session_leases(model, session_id),
             self.keys.session_earlier_leases(model, session_id),
         ]
+        queue_section: list[object] = ["0"]
         if with_providers:
             keys += self._model_keys[model]
-            args = ["" if now_ms is None else now_ms, *self._model_args[model], *op_args]
+            if script in QUEUE_SCRIPTS and model in self._queue_keys:
+                keys += self._queue_keys[model]
+                queue_section = self._queue_section(model, queue or self._queue_default[model])
+            args = ["" if now_ms is None else now_ms, *self._model_args[model], *queue_section, *op_args]
         else:
-            args = ["" if now_ms is None else now_ms, *self._timing, 0]
+            args = ["" if now_ms is None else now_ms, *self._timing, 0, *queue_section]
         keys += extra_keys
         if self._durable is None or script not in ADMITTING_SCRIPTS:
             return await self._scripts[script](self.redis, keys, args)
@@ -350,6 +424,14 @@ class RoutingState:
         if acked < self._durable.replicas and _text(reply[0]) == Result.ADMITTED.value:
             self._count_not_replicated(model, acked)
         return reply
+
+    def _queue_section(self, model: str, queue: QueueArgs) -> list[object]:
+        """The ARGV queue section of lua/queue.lua."""
+        settings = self.config.routing.queue
+        return [
+            "1", settings.ticket_lease_ms, queue.class_rank, "1" if queue.may_use_reserved else "0", queue.tenant, queue.ticket,
+            queue.mode, queue.max_depth, self.keys.queue_wake(model),
+        ]
 
     def _count_not_replicated(self, model: str, acked: int) -> None:
         """An admission answered without the replicas' acknowledgement: it stands (docs/routing-state.md "Durable

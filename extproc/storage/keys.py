@@ -51,6 +51,34 @@ class Keyspace:
         """The model's chain records (zset: keyed hash -> expiry, Redis time ms), for their cap."""
         return f"{self.tag(model)}:responses"
 
+    # The admission queue (docs/queue.md): same hash tag as the pair's leases, so one script
+    # touches both.
+
+    def queue(self, model: str, provider: str) -> str:
+        """The pair's waiting tickets (zset: ticket id -> score: class, round, arrival)."""
+        return f"{self.tag(model)}:queue:{provider}"
+
+    def reserved_queue(self, model: str, provider: str) -> str:
+        """The pair's waiting tickets that may use the slots reserved for pinned sessions."""
+        return f"{self.tag(model)}:queue-reserved:{provider}"
+
+    def tickets(self, model: str) -> str:
+        """The model's tickets (zset: ticket id -> ticket lease deadline, Redis time ms)."""
+        return f"{self.tag(model)}:tickets"
+
+    def queue_state(self, model: str) -> str:
+        """The model's queue bookkeeping (hash: tickets' class and round, rounds served, tenants'
+        live tickets, the arrival counter)."""
+        return f"{self.tag(model)}:queue-state"
+
+    def queue_finish(self, model: str) -> str:
+        """Fair queueing's finish tags (zset: "<class>|<tenant>" -> class span + round)."""
+        return f"{self.tag(model)}:queue-finish"
+
+    def queue_wake(self, model: str) -> str:
+        """The pub/sub channel on which scripts name the tickets that may take a freed slot."""
+        return f"{self.tag(model)}:queue-wake"
+
     def epoch(self) -> str:
         """The routing state's epoch (``<uuid>@<Redis time, ms>``, ``:lost`` appended when written
         by an instance that knew an earlier state): a new one means Redis lost the state."""

@@ -132,7 +132,9 @@ def test_replay_prints_every_figure(tmp_path):
             "reuse_share_of_oracle", "own_reuse_share_of_oracle", "third_party_requests", "third_party_decided",
             "needless_offloads", "breaches", "worst_excess", "errors", "latency_p50_ms", "latency_p90_ms",
             "latency_p99_ms", "ttft_p50_ms", "ttft_p99_ms", "queued_requests", "reuse_lost_moved_share_of_oracle",
-            "reuse_lost_repinned_elsewhere_share_of_oracle")]
+            "reuse_lost_repinned_elsewhere_share_of_oracle", "third_party_share", "third_party_with_own_slot_within_1s",
+            "third_party_with_own_slot_within_2s")]
+    names += [f"queue_{key}@router_queue" for key in ("offloads_avoided", "timed_out", "shed")]  # the admission queue on
     assert_numbers(figures, names)
     for policy in result["policies"]:
         assert policy["ok"] > 0

@@ -56,9 +56,9 @@ def registered_names() -> set[str]:
 
 def fleet_metrics() -> dict[str, tuple[str, tuple[str, ...]]]:
     """Name -> (type, labels) of every family FleetCollector yields, from a scrape of a fleet
-    with one managed pair with limits and a flag, so that every family has a sample."""
+    with one managed pair with limits, a flag and a waiting ticket, so that every family has a sample."""
     pair = PairState("iris-1", "managed", "m", in_flight=1, in_flight_limit=4, reserved_for_pinned=1, pins=1, pin_limit=2,
-                     flags=[Flag(HEALTH, "health: down", 30.0)])
+                     flags=[Flag(HEALTH, "health: down", 30.0)], queued={"interactive": 1})
     fleet = CachedFleetState(lambda: FleetState(now_ms=0, live_instances=1, pairs=[pair]))
     found = {}
     for family in FleetCollector(fleet).collect():

@@ -35,7 +35,7 @@ from hypothesis.stateful import (
 from extproc.config import parse_config
 from extproc.routing.degraded import DegradedFlags
 from extproc.routing.router import Router, RoutingRequest
-from extproc.routing.state import Admission, CasResult, Pin, Result, RoutingState
+from extproc.routing.state import QUEUE_RESULTS, Admission, CasResult, Pin, Result, RoutingState
 from tests.model_based import harness as H
 from tests.model_based.model import routing as R
 from tests.model_based.model import state as S
@@ -457,7 +457,8 @@ def test_scripts_match_the_model_and_every_result_name_is_hit(io):
     run_state_machine_as_test(machine_for(io), settings=machine_settings(examples=EXAMPLES, steps=STEP_COUNT))
     missing = H.ALL_RESULT_NAMES - H.SEEN
     assert not missing, f"result names never seen: {sorted(missing)}"
-    assert {r.value for r in Result} <= H.SEEN
+    # The admission queue's answers never come while it is off, as it is here (docs/queue.md).
+    assert {r.value for r in Result if r not in QUEUE_RESULTS} <= H.SEEN
     assert set(H.OUTCOMES) == H.ALL_OUTCOMES, f"routing outcomes never seen: {sorted(H.ALL_OUTCOMES - set(H.OUTCOMES))}"
 
 

@@ -6,14 +6,21 @@
 -- one minted for the decision) and no other lease holds it. Idempotent.
 -- Replies RELEASED when a live lease was found, LEASE_EXPIRED when only an expired one, else
 -- NOT_FOUND (the id was never admitted), with the session's pin afterwards.
--- Op ARGV: lease id, the pin id minted for the decision.
+-- Op ARGV: lease id, the pin id minted for the decision. With the queue on, the ticket of the same id
+-- leaves every queue and the freed slots wake their queues' heads.
 local ctx = read_context()
 local lease_id, pin_id = op_arg(ctx, 1), op_arg(ctx, 2)
 local result = 'NOT_FOUND'
+if ctx.queue then
+  queue_drop_ticket(ctx, lease_id, false)  -- the decision's ticket, if it waited (its id is the lease id)
+end
 for _, p in pairs(ctx.by_name) do
   local score = tonumber(redis.call('ZSCORE', p.leases_key, lease_id))
   if score and score > ctx.now then
     result = 'RELEASED'
+    if ctx.queue then
+      queue_wake(ctx, p)  -- a slot is free: the queue's head may take it (lua/queue.lua)
+    end
   elseif score and result == 'NOT_FOUND' then
     result = 'LEASE_EXPIRED'
   end

@@ -11,7 +11,9 @@
 --       [2] pin inactivity timeout ms, [3] lease timeout ms, [4] housekeeping grace ms for key TTLs
 --       [5] n providers, then 5 per provider: name, max pinned sessions, max global in-flight
 --       request slots, slots reserved for pinned sessions, max per-session in-flight slots
---       (-1: no limit); then the operation's own arguments.
+--       (-1: no limit); then the admission queue's section (lua/queue.lua: "0" when the
+--       queue is off for the call); then the operation's own arguments.
+--       With the queue on, KEYS go on after the providers' keys with the queue's (lua/queue.lua).
 --
 -- A pin is live while its expiry is in the future; expiry = max(inactivity deadline, deadline of
 -- every lease on the pin), so a live lease keeps its pin alive and counts never include the dead.
@@ -22,6 +24,9 @@
 
 local NO_LIMIT = -1
 local CLEANUP_BATCH = 64
+
+-- The admission queue (lua/queue.lua, appended after this file; docs/queue.md).
+local queue_section, queue_gate, queue_wake, queue_drop_ticket
 
 local function redis_now_ms()
   local t = redis.call('TIME')
@@ -52,7 +57,7 @@ local function read_context()
       leases_key = KEYS[3 + 2 * i],
     }
   end
-  ctx.args_at = 6 + n * 5
+  ctx.args_at = queue_section(ctx, 6 + n * 5, n)
   return ctx
 end
 
@@ -195,7 +200,7 @@ end
 
 -- The spec's capacity rules for one provider/model pair. session_in_flight is nil for requests
 -- without a session; only existing pinned sessions may use the reserved slots.
-local function capacity_result(ctx, p, session_in_flight, may_use_reserved, needs_new_pin)
+local function spec_capacity_result(ctx, p, session_in_flight, may_use_reserved, needs_new_pin)
   if needs_new_pin and p.max_pins ~= NO_LIMIT and live_count(p.pins_key, ctx.now) >= p.max_pins then
     return 'PIN_LIMIT_REACHED'
   end
@@ -212,6 +217,21 @@ local function capacity_result(ctx, p, session_in_flight, may_use_reserved, need
     end
   end
   return 'ADMITTED'
+end
+
+-- The capacity check every admission makes: the spec's rules, then, when the admission queue is on
+-- for the call, its gate (lua/queue.lua): a request of a class that may not use the reserved
+-- slots finds a pin full where only those are left, and nobody takes a slot ahead of the waiters.
+local function capacity_result(ctx, p, session_in_flight, may_use_reserved, needs_new_pin)
+  if not ctx.queue then
+    return spec_capacity_result(ctx, p, session_in_flight, may_use_reserved, needs_new_pin)
+  end
+  local reserved = may_use_reserved and ctx.queue.may_reserve
+  local result = spec_capacity_result(ctx, p, session_in_flight, reserved, needs_new_pin)
+  if may_use_reserved and not reserved and result == 'UNRESERVED_IN_FLIGHT_REQUEST_LIMIT_REACHED' then
+    result = 'GLOBAL_IN_FLIGHT_REQUEST_LIMIT_REACHED'
+  end
+  return queue_gate(ctx, p, result, reserved)
 end
 
 -- Reply: {result, now, pin provider, pin id, pin deadline, pin expiry, lease id, lease deadline};

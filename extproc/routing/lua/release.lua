@@ -15,6 +15,9 @@ if not score then
 end
 redis.call('ZREM', p.leases_key, lease_id)
 forget_earlier(ctx, p, lease_id)
+if ctx.queue and score > ctx.now then
+  queue_wake(ctx, p)  -- a slot is free: the queue's head may take it (lua/queue.lua)
+end
 local pin = read_pin(ctx)
 local on_pin = lease_on_pin(ctx, p, pin, lease_id)
 if score <= ctx.now then

@@ -313,3 +313,22 @@ def test_a_failed_start_stops_every_process_it_started(tmp_path):
     names = [p.name for p in gateway.started]
     assert "extproc-0" in names and "envoy-0" in names and len(names) == 6  # redis, 3 providers, extproc, envoy
     assert not any(p.alive() for p in gateway.started)
+
+
+def test_the_admission_queue_needs_its_class_header_stripped_and_time_to_wait():
+    """docs/queue.md: with the queue on, a class header a client could send is a forged priority,
+    and Envoy's ext_proc message_timeout (5 s in envoy.yaml) must outlast the longest wait plus
+    the decision timeout (2 s)."""
+    data = example()
+    data.setdefault("routing", {})["queue"] = {"classes": [{"name": "interactive", "max_wait_ms": 2500}], "default_class": "interactive",
+                                              "class_header": "x-iris-priority"}
+    bootstrap = yaml.safe_load(ENVOY.read_text())
+    problems = envoy_check.check(parse_config(data), bootstrap)
+    assert len(problems) == 1 and "removes 'x-iris-priority' (routing.queue.class_header)" in problems[0]
+    manager_of(bootstrap)["early_header_mutation_extensions"][0]["typed_config"]["mutations"].append({"remove": "x-iris-priority"})
+    assert envoy_check.check(parse_config(data), bootstrap) == []
+    data["routing"]["queue"]["classes"][0]["max_wait_ms_by_model"] = {next(iter(data["providers"][0]["models"])): 3000}
+    problems = envoy_check.check(parse_config(data), bootstrap)
+    assert len(problems) == 1 and "message_timeout (5 s) must exceed" in problems[0] and "(5 s)" in problems[0]
+    data["routing"]["queue"]["classes"][0] = {"name": "interactive"}  # the queue off: nothing to check
+    assert envoy_check.check(parse_config(data), bootstrap) == []

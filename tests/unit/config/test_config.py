@@ -167,3 +167,16 @@ def test_each_worker_listens_on_the_next_port():
     assert problems(small_config_data(server={"listen": "localhost"})) == [
         "server.listen: 'localhost' is not host:port with a port from 1 to 65535"]
     assert problems(small_config_data(server={"workers": 0})) == ["server.workers: must be >= 1"]
+def test_the_admission_queue_settings_are_checked():
+    base = {"providers": [{"name": "a", "kind": "managed", "cluster": "a", "models": {"m": {"features": ["chat"]}}}]}
+    assert not parse_config(base).routing.queue.enabled("m")  # off by default
+    queue = {"classes": [{"name": "interactive", "max_wait_ms": 100}, {"name": "interactive"}], "default_class": "gold",
+             "identity_classes": {"trusted_header:x": "silver"}, "ticket_lease_ms": 1000, "poll_ms": 500, "class_header": "x-session-id"}
+    queue["classes"][0]["max_wait_ms_by_model"] = {"nope": 10}
+    with pytest.raises(ConfigError) as raised:
+        parse_config({**base, "routing": {"queue": queue}})
+    problems = "\n".join(raised.value.problems)
+    for expected in ("duplicate class 'interactive'", "default_class: 'gold' is not one of", "identity_classes.trusted_header:x: 'silver'",
+                     "no provider serves the model 'nope'", "ticket_lease_ms: must be at least 3 x poll_ms (1500)",
+                     "class_header: 'x-session-id' is already"):
+        assert expected in problems, problems

@@ -133,3 +133,28 @@ async def test_a_read_on_the_loop_from_another_thread_and_one_the_loop_cannot_ru
     stalled = on_loop(FleetStateReader(small_config, redis_client), loop, timeout_seconds=0.05)
     with pytest.raises(RedisTimeoutError, match="not read within"):
         stalled()  # from the loop's own thread: the loop cannot run the read while this waits
+
+
+async def test_live_tickets_per_pair_and_class_while_the_queue_is_on(redis_client, redis_url):
+    """docs/queue.md: the depth of each pair's admission queue per class, live tickets only (an
+    expired ticket of a crashed proxy never counts); nothing while the queue is off."""
+    from extproc.routing.state import QueueArgs, Result, RoutingState
+
+    off_for_e = {"e": 0}
+    queue = {"classes": [{"name": "interactive", "max_wait_ms": 1000, "max_wait_ms_by_model": off_for_e},
+                         {"name": "batch", "max_wait_ms": 1000, "max_wait_ms_by_model": off_for_e}]}
+    config = parse_config(small_config_data(redis_url, routing={"queue": queue}))
+    state = RoutingState(redis_client, config)
+    for i in range(3):
+        assert (await state.try_admit_request_without_pin("iris-1", "m")).result is Result.ADMITTED
+    now = await redis_now_ms(redis_client)
+    for ticket, rank, at in (("i1", 0, None), ("b1", 1, None), ("b2", 1, None), ("ghost", 0, now - 60_000)):
+        args = QueueArgs(rank, True, ticket, ticket, "join", 256)
+        admission = await state.try_admit_request_without_pin("iris-1", "m", lease_id=ticket, queue=args, now_ms=at)
+        assert admission.result is Result.QUEUED
+    fleet = await FleetStateReader(config, redis_client).read()
+    assert pair(fleet, "iris-1").queued == {"interactive": 1, "batch": 2}
+    assert pair(fleet, "iris-2").queued == {"interactive": 0, "batch": 0}
+    assert pair(fleet, "iris-1", "e").queued == {}  # no class waits for "e": its queue is off
+    off = await FleetStateReader(parse_config(small_config_data(redis_url)), redis_client).read()
+    assert all(p.queued == {} for p in off.pairs)

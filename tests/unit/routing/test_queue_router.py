@@ -1,0 +1,217 @@
+"""The routing rules with the admission queue on (extproc.routing.router, docs/queue.md), over a
+real Redis: a request waits for an own slot before the third party, a pinned session waits for
+its pin, routers sharing Redis serve in the queue's order, a wait ends at its time, on a drain or
+when its caller gives up, and nothing is left in Redis."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from prometheus_client import REGISTRY
+
+from extproc.config import parse_config
+from extproc.routing.degraded import DegradedFlags
+from extproc.routing.lease_table import Held, LeaseTable
+from extproc.routing.outage import InstanceRegistry, OutagePolicy, RedisBreaker
+from extproc.routing.queue import Wakeups
+from extproc.routing.router import Decision, Reason, Router, RoutingRequest
+from extproc.routing.state import RoutingState
+from tests.support.configs import small_config_data
+
+
+def queue_config(redis_url: str, max_wait_ms: int = 5000, poll_ms: int = 100, **queue):
+    settings = {"classes": [{"name": "interactive", "max_wait_ms": max_wait_ms}, {"name": "batch", "max_wait_ms": max_wait_ms}],
+                "poll_ms": poll_ms, "ticket_lease_ms": max(1000, 3 * poll_ms), **queue}
+    return parse_config(small_config_data(redis_url, routing={"queue": settings}))
+
+
+def make_router(redis_client, config, wakeups: Wakeups | None = None) -> Router:
+    return Router(config, RoutingState(redis_client, config), DegradedFlags(redis_client, config), wakeups)
+
+
+def temporary(tenant: str = "t", priority: str | None = None) -> RoutingRequest:
+    return RoutingRequest("m", "chat", frozenset(), None, priority=priority, tenant=tenant)
+
+
+def chat(session: str, tenant: str = "t") -> RoutingRequest:
+    return RoutingRequest("m", "chat", frozenset(), session, tenant=tenant)
+
+
+async def fill_own_providers(router: Router) -> list[Decision]:
+    """Three temporary requests on each own provider: their unreserved slots are full."""
+    held = [await router.execute_request(temporary()) for _ in range(6)]
+    assert [d.provider.name for d in held] == ["iris-1"] * 3 + ["iris-2"] * 3
+    return held
+
+
+async def release(router: Router, decision: Decision, succeeded: bool = True) -> None:
+    await router.state.release_request_lease(decision.lease, refresh_pin=decision.refresh_pin_on_success and succeeded)
+
+
+async def tickets(redis_client, router: Router) -> int:
+    return await redis_client.zcard(router.state.keys.tickets("m"))
+
+
+async def until(predicate, seconds: float = 10.0) -> bool:
+    for _ in range(int(seconds / 0.01)):
+        if await predicate():
+            return True
+        await asyncio.sleep(0.01)
+    return False
+
+
+async def queue_is_empty(redis_client, router: Router) -> bool:
+    keys = router.state.keys
+    return await redis_client.exists(
+        keys.tickets("m"), keys.queue("m", "iris-1"), keys.queue("m", "iris-2"),
+        keys.reserved_queue("m", "iris-1"), keys.reserved_queue("m", "iris-2"),
+    ) == 0
+
+
+def sample(name: str, **labels) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+async def test_a_request_waits_for_an_own_slot_instead_of_the_third_party(redis_client, redis_url):
+    router = make_router(redis_client, queue_config(redis_url))
+    held = await fill_own_providers(router)
+    avoided = sample("iris_queue_offloads_avoided_total", provider="iris-2", gen_ai_request_model="m", priority="interactive")
+    waiting = asyncio.create_task(router.execute_request(temporary()))
+    assert await until(lambda: _positive(tickets(redis_client, router)))
+    await release(router, held[4])  # a slot of iris-2 frees
+    decision = await waiting
+    assert (decision.provider.name, decision.reason) == ("iris-2", Reason.UNPINNED) and decision.lease is not None
+    assert await queue_is_empty(redis_client, router)
+    assert sample("iris_queue_offloads_avoided_total", provider="iris-2", gen_ai_request_model="m", priority="interactive") == avoided + 1
+
+
+async def test_without_a_freed_slot_the_wait_ends_at_the_third_party(redis_client, redis_url):
+    router = make_router(redis_client, queue_config(redis_url, max_wait_ms=300))
+    await fill_own_providers(router)
+    timeouts = sample("iris_queue_timeouts_total", gen_ai_request_model="m", priority="interactive")
+    decision = await router.execute_request(temporary())
+    assert (decision.provider.name, decision.lease) == ("tensorx", None)
+    assert await queue_is_empty(redis_client, router)
+    assert sample("iris_queue_timeouts_total", gen_ai_request_model="m", priority="interactive") == timeouts + 1
+
+
+async def test_with_the_queue_off_the_full_providers_offload_at_once(redis_client, redis_url):
+    config = parse_config(small_config_data(redis_url))
+    router = make_router(redis_client, config)
+    await fill_own_providers(router)
+    assert (await router.execute_request(temporary())).provider.name == "tensorx"
+    assert await redis_client.keys("*queue*") == [] and await redis_client.keys("*tickets*") == []
+
+
+async def test_a_pinned_session_waits_for_its_pin_and_keeps_it(redis_client, redis_url):
+    router = make_router(redis_client, queue_config(redis_url))
+    first = await router.execute_request(chat("s"))
+    assert (first.provider.name, first.reason) == ("iris-1", Reason.NEW_PIN)
+    other_session = [await router.execute_request(chat("s2"))]
+    temporary_one = await router.execute_request(temporary())  # iris-1: 3 of 4, the unreserved slots full
+    other_session.append(await router.execute_request(chat("s2")))  # 4 of 4 (the reserved slot): full
+    assert [(d.provider.name, d.reason) for d in (*other_session, temporary_one)] == [
+        ("iris-1", Reason.NEW_PIN), ("iris-1", Reason.PINNED), ("iris-1", Reason.UNPINNED)]
+    waiting = asyncio.create_task(router.execute_request(chat("s")))
+    assert await until(lambda: _positive(tickets(redis_client, router)))
+    await release(router, temporary_one)
+    decision = await waiting
+    assert (decision.provider.name, decision.reason, decision.pin.id) == ("iris-1", Reason.PINNED, first.pin.id)
+    assert await queue_is_empty(redis_client, router)
+
+
+async def test_two_routers_serve_in_the_queue_order_and_nobody_barges(redis_client, redis_url):
+    """Two proxies (two routers, each with its own wake-ups, listening as a gateway does) share
+    one Redis: a newcomer on the second, arriving as a slot frees, queues behind the first's
+    waiter, and the slots go out in the queue's order."""
+    config = queue_config(redis_url, poll_ms=1000)
+    proxies = [make_router(redis_client, config, Wakeups()) for _ in range(2)]
+    channel = proxies[0].state.keys.queue_wake("m")
+    listeners = [asyncio.create_task(_listen_forever(p.wakeups, redis_url, channel)) for p in proxies]
+    try:
+        held = await fill_own_providers(proxies[0])
+        first = asyncio.create_task(proxies[0].execute_request(temporary("a")))
+        assert await until(lambda: _count_is(tickets(redis_client, proxies[0]), 1))
+        await release(proxies[0], held[0])  # a slot of iris-1 frees ...
+        second = asyncio.create_task(proxies[1].execute_request(temporary("b")))  # ... as a newcomer arrives
+        served_first = await first
+        assert served_first.provider.name == "iris-1"
+        assert proxies[0].wakeups.woken >= 1  # by the release's message, not only by its poll
+        assert not second.done()
+        assert await until(lambda: _count_is(tickets(redis_client, proxies[0]), 1))
+        await release(proxies[0], held[3])  # a slot of iris-2
+        served_second = await second
+        assert served_second.provider.name == "iris-2"
+        assert await queue_is_empty(redis_client, proxies[0])
+    finally:
+        for task in listeners:
+            task.cancel()
+
+
+async def _listen_forever(wakeups: Wakeups, redis_url: str, channel: str) -> None:
+    from extproc.routing.state import connect
+
+    client = connect(redis_url, timeout_seconds=5)
+    try:
+        while True:
+            await wakeups.listen(client, lambda: (channel,), idle_seconds=0.2)
+    finally:
+        await client.aclose()
+
+
+async def test_a_caller_that_gives_up_removes_its_ticket_at_once(redis_client, redis_url):
+    config = queue_config(redis_url, max_wait_ms=30_000)
+    state = RoutingState(redis_client, config)
+    router = Router(config, state, DegradedFlags(redis_client, config))
+    table = LeaseTable(config, state, router, OutagePolicy(config, router, InstanceRegistry(redis_client, "t")), RedisBreaker(redis_client, 3))
+    table.start()
+    await table.refresh_epoch()
+    held = [await table.decide(temporary()) for _ in range(6)]
+    assert all(isinstance(h, Held) and h.decision.provider.name.startswith("iris") for h in held)
+    deciding = asyncio.create_task(table.decide(temporary()))
+    assert await until(lambda: _positive(tickets(redis_client, router)))
+    deciding.cancel()  # the client hung up while queued
+    with pytest.raises(asyncio.CancelledError):
+        await deciding
+    assert await until(lambda: queue_is_empty(redis_client, router), seconds=5)  # long before its 30 s wait ends
+    for h in held:
+        table.end(h, succeeded=True)
+    await table.drain()
+
+
+async def test_a_drain_ends_every_wait(redis_client, redis_url):
+    router = make_router(redis_client, queue_config(redis_url, max_wait_ms=30_000))
+    await fill_own_providers(router)
+    waiting = [asyncio.create_task(router.execute_request(temporary(f"t{i}"))) for i in range(3)]
+    assert await until(lambda: _count_is(tickets(redis_client, router), 3))
+    router.wakeups.close()
+    decisions = await asyncio.gather(*waiting)
+    assert [d.provider.name for d in decisions] == ["tensorx"] * 3
+    assert await queue_is_empty(redis_client, router)
+    assert (await router.execute_request(temporary())).provider.name == "tensorx"  # nobody waits any more
+
+
+async def test_a_full_queue_sheds_to_the_next_step_at_once(redis_client, redis_url):
+    config = queue_config(redis_url, max_wait_ms=30_000)
+    config = config.model_copy(update={"routing": config.routing.model_copy(update={"queue": config.routing.queue.model_copy(
+        update={"classes": [c.model_copy(update={"max_depth": 1}) for c in config.routing.queue.classes]})})})
+    router = make_router(redis_client, config)
+    await fill_own_providers(router)
+    waiting = asyncio.create_task(router.execute_request(temporary("a")))
+    assert await until(lambda: _positive(tickets(redis_client, router)))
+    shed_before = sample("iris_queue_shed_total", gen_ai_request_model="m", priority="interactive")
+    shed = await router.execute_request(temporary("b"))  # both own queues hold one ticket of its class
+    assert shed.provider.name == "tensorx"
+    assert sample("iris_queue_shed_total", gen_ai_request_model="m", priority="interactive") == shed_before + 2  # one per pair
+    assert not waiting.done()
+    router.wakeups.close()
+    await waiting
+
+
+async def _positive(count) -> bool:
+    return await count > 0
+
+
+async def _count_is(count, expected: int) -> bool:
+    return await count == expected
