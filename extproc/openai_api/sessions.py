@@ -114,6 +114,11 @@ class SessionKeys:
                 return SessionKey(identity, signal, keyed_hash(self.secret, *(p.encode() for p in parts)))
         return SessionKey(identity, None, None)
 
+    def identity_key(self, identity: str) -> str:
+        """A keyed hash of `identity` (32 hex characters): what Redis keys name an identity by
+        (routing.third_party_share), never the identity itself."""
+        return keyed_hash(self.secret, b"identity", identity.encode())
+
     def outranks_previous_response(self, signal: SessionSignal | None) -> bool:
         """Whether `signal` comes before `previous_response_id` in `session.signals` (then a
         chained turn that still sends it finds its session without the chain)."""

@@ -28,13 +28,20 @@ class RoutingRequest:
 
     `required_provider`: not the spec's. A Responses turn whose previous response is stored on
     one provider can only be served there (extproc.openai_api.chains); routing then treats every other
-    provider as unfit. None (every other request) leaves the spec's algorithm exactly as it is."""
+    provider as unfit. None (every other request) leaves the spec's algorithm exactly as it is.
+
+    `share_key`: not the spec's either. With routing.third_party_share on, every admission of the
+    request is counted in its identity's share, and one on an unlimited provider the share
+    refuses (THIRD_PARTY_SHARE_REACHED) is a refusal for capacity: a new pin or a repin tries
+    the next provider, a pinned request is offloaded (its pin kept), a temporary one tries the
+    next. None leaves the spec's algorithm exactly as it is."""
 
     model: str
     feature: str
     sub_features: frozenset[str]
     session_id: str | None
     required_provider: str | None = None
+    share_key: str | None = None  # the identity's key for routing.third_party_share (None: no share checked)
 
 
 class Reason(str, enum.Enum):
@@ -133,7 +140,7 @@ class Router:
                 order = self.pin_order(request)
                 names = [p.name for p in order]
                 pin, admission = await self.state.get_pin_and_try_admit(
-                    request.model, request.session_id, names, lease_id=ids.lease_id, pin_id=ids.pin_id
+                    request.model, request.session_id, names, lease_id=ids.lease_id, pin_id=ids.pin_id, share=request.share_key
                 )
             else:
                 pin, admission = await self.state.get_pin(request.model, request.session_id), None
@@ -167,8 +174,9 @@ class Router:
                 admission = first_admission
             else:
                 admission = await self.state.try_admit_unpinned_session_request(
-                    provider.name, request.model, request.session_id, lease_id=ids.lease_id, pin_id=ids.pin_id
+                    provider.name, request.model, request.session_id, lease_id=ids.lease_id, pin_id=ids.pin_id, share=request.share_key
                 )
+            _count_share_refusal(provider, request.model, admission.result)
             if admission.result is Result.ALREADY_PINNED:
                 return RETRY_ROUTING
             if admission.result is Result.ADMITTED:
@@ -188,7 +196,7 @@ class Router:
 
         if admission is None:
             admission = await self.state.try_admit_pinned_session_request(
-                request.model, request.session_id, lease_id=ids.lease_id
+                request.model, request.session_id, lease_id=ids.lease_id, share=request.share_key
             )
         if admission.result is Result.SESSION_NOT_PINNED:
             return RETRY_ROUTING
@@ -199,7 +207,9 @@ class Router:
         if admission.result in (
             Result.PER_SESSION_IN_FLIGHT_REQUEST_LIMIT_REACHED,
             Result.GLOBAL_IN_FLIGHT_REQUEST_LIMIT_REACHED,
+            Result.THIRD_PARTY_SHARE_REACHED,  # beyond the spec: see RoutingRequest.share_key
         ):
+            _count_share_refusal(provider, request.model, admission.result)
             return await self.execute_temporary_fallback(request, ids, excluded_provider=provider)
         if admission.result is not Result.ADMITTED:
             return RETRY_ROUTING
@@ -215,8 +225,10 @@ class Router:
             if provider.name == current_pin.provider:
                 continue
             cas = await self.state.try_compare_and_swap_pin_and_admit_request(
-                current_pin, request.model, request.session_id, provider.name, lease_id=ids.lease_id, pin_id=ids.pin_id
+                current_pin, request.model, request.session_id, provider.name, lease_id=ids.lease_id, pin_id=ids.pin_id,
+                share=request.share_key,
             )
+            _count_share_refusal(provider, request.model, cas.admission.result)
             if cas.pin_match is not PinMatch.MATCHED:
                 return RETRY_ROUTING
             if cas.admission.result is Result.ADMITTED:
@@ -239,11 +251,19 @@ class Router:
             if provider is excluded_provider:
                 continue
             if self.provider_has_configured_limits(provider, request.model):
-                admission = await self.state.try_admit_request_without_pin(provider.name, request.model, lease_id=ids.lease_id)
+                admission = await self.state.try_admit_request_without_pin(
+                    provider.name, request.model, lease_id=ids.lease_id, share=request.share_key
+                )
+                _count_share_refusal(provider, request.model, admission.result)
                 if admission.result is not Result.ADMITTED:
                     continue
                 return Decision(provider, reason, admission.lease, None, refresh_pin_on_success=False)
             # Pairs without limits need no capacity lease for requests not tied to one of their pins.
+            if request.share_key is not None and self.config.routing.third_party_share is not None:
+                result = await self.state.try_admit_share(provider.name, request.model, request.share_key, lease_id=ids.lease_id)
+                _count_share_refusal(provider, request.model, result)
+                if result is not Result.ADMITTED:
+                    continue
             return Decision(provider, reason, None, None, refresh_pin_on_success=False)
         return self.reject_request_as_unsupported_or_unavailable(request)
 
@@ -302,6 +322,12 @@ class Router:
                 front = next(i for i, p in enumerate(eligible) if p.kind is provider.kind)
                 return [*eligible[:front], provider, *(p for p in eligible[front:] if p is not provider)]
         return eligible
+
+
+def _count_share_refusal(provider: Provider, model: str, result: Result) -> None:
+    """Count an admission routing.third_party_share refused (iris_third_party_share_refusals_total)."""
+    if result is Result.THIRD_PARTY_SHARE_REACHED:
+        metrics.THIRD_PARTY_SHARE_REFUSALS.labels(provider.name, model).inc()
 
 
 _FEATURE_PARAMS = {"tools": "tools", "vision": "messages", "json_schema": "response_format"}
