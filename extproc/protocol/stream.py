@@ -361,12 +361,11 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
     async def _on_response_body(self, stream: StreamState, request: ProcessingRequest) -> ProcessingResponse:
         """A /v1/responses answer (record the response id once it is seen) or one whose usage is
         counted (`_read_usage`)."""
-        body = request.response_body
         if stream.usage is not None and not stream.usage.done:
-            self._count_usage(stream, body.body, body.end_of_stream)
+            self._count_usage(stream, request.response_body.body, request.response_body.end_of_stream)
         reader = stream.reader
         if reader is not None and not reader.done:
-            response_id = reader.feed(body.body, body.end_of_stream)
+            response_id = reader.feed(request.response_body.body, request.response_body.end_of_stream)
             if response_id is not None:
                 await self._record_chain(stream, response_id)
         return msg.continue_response_body()
