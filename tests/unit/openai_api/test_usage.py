@@ -35,7 +35,9 @@ LLAMA_JSON = orjson.dumps({
     "usage": {"completion_tokens": 5, "prompt_tokens": 12, "total_tokens": 17}, "id": "x",
     "timings": {"prompt_n": 12, "cache_n": 0, "predicted_n": 5},
 })
-EMBEDDINGS_JSON = orjson.dumps({"object": "list", "data": [{"embedding": [0.1] * 64}], "model": "m", "usage": {"prompt_tokens": 9, "total_tokens": 9}})
+EMBEDDINGS_JSON = orjson.dumps({
+    "object": "list", "data": [{"embedding": [0.1] * 64}], "model": "m", "usage": {"prompt_tokens": 9, "total_tokens": 9},
+})
 # OpenAI with stream_options.include_usage: "usage": null in every chunk, the usage in the last one.
 CHAT_STREAM = sse(
     *({"id": "c", "choices": [{"index": 0, "delta": {"content": f" tok{i}"}}], "usage": None} for i in range(40)),
