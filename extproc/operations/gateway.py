@@ -184,7 +184,7 @@ class Gateway:
         await self.leases.drain()
         await self.health.close()
         if self.tracer is not None:
-            await asyncio.to_thread(self.tracer.shutdown)  # the spans still queued, within its bound
+            await self.tracer.close()  # the spans still queued, for 2 s at most
         for task in self._background:
             task.cancel()
         try:

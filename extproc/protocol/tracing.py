@@ -32,8 +32,10 @@ on; off, the stream loop holds no tracer and pays one `is None` test per phase.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
+import threading
 from urllib.parse import urlsplit
 
 from extproc.config import Provider, ProviderKind
@@ -46,7 +48,7 @@ TRACE_HEADERS = ("traceparent", "tracestate")  # W3C Trace Context
 OPERATION_NAMES = {"chat": "chat", "completions": "text_completion", "embeddings": "embeddings", "responses": "chat"}
 PROVIDER_FLAVOUR = "openai"  # gen_ai.provider.name: every provider speaks OpenAI's API
 REJECTED = "rejected"
-SHUTDOWN_TIMEOUT_MILLIS = 5000
+CLOSE_WITHIN_SECONDS = 2.0  # the drain waits this long, at most, for the spans still queued to leave
 
 
 def carrier(headers: dict[str, str]) -> dict[str, str] | None:
@@ -75,6 +77,7 @@ class RequestTracer:
         self._provider = TracerProvider(
             resource=Resource.create({"service.name": settings.service_name}),
             sampler=ParentBased(TraceIdRatioBased(settings.sample_ratio)),
+            shutdown_on_exit=False,  # `close` bounds the wait; an exit hook would wait for an absent collector
         )
         self._provider.add_span_processor(BatchSpanProcessor(exporter))
         self._tracer = self._provider.get_tracer("iris-extproc")
@@ -134,12 +137,23 @@ class RequestTracer:
         span.end()
 
     def shutdown(self) -> None:
-        """Export what is queued (within SHUTDOWN_TIMEOUT_MILLIS) and stop. Blocks: call it off
-        the event loop."""
-        try:
-            self._provider.force_flush(SHUTDOWN_TIMEOUT_MILLIS)
-        finally:
-            self._provider.shutdown()
+        """Export what is queued and stop. Blocks, as long as the exporter retries (seconds, when
+        the collector is away): `close` bounds it."""
+        self._provider.shutdown()
+
+    async def close(self, within_seconds: float = CLOSE_WITHIN_SECONDS) -> None:
+        """`shutdown` in a daemon thread, awaited for at most `within_seconds`: spans that cannot
+        leave by then are dropped, and the process may exit."""
+        done = threading.Event()
+
+        def shut() -> None:
+            try:
+                self.shutdown()
+            finally:
+                done.set()
+
+        threading.Thread(target=shut, name="tracing-shutdown", daemon=True).start()
+        await asyncio.to_thread(done.wait, within_seconds)
 
 
 def start_tracing(settings: TracingSettings) -> RequestTracer | None:
