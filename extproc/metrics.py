@@ -164,3 +164,20 @@ QUEUE_SHED = Counter(
     "Places in a pair's admission queue refused because the class's queue there was at max_depth (one per pair)",
     [MODEL, "priority"],
 )
+
+# Third-party spend (extproc.protocol.stream, extproc.routing.router): docs/operations.md "Third-party spend".
+TOKENS = Counter(
+    "iris_tokens_total",
+    "Tokens the providers reported in their answers' usage, by provider, its kind, model and gen_ai_token_type (input, output)",
+    ["provider", "kind", MODEL, "gen_ai_token_type"],
+)
+USAGE_UNREPORTED = Counter(
+    "iris_usage_unreported_total",
+    "Successful answers read for token usage that reported none (a stream without stream_options.include_usage, a compressed body)",
+    ["provider", MODEL],
+)
+THIRD_PARTY_SHARE_REFUSALS = Counter(
+    "iris_third_party_share_refusals_total",
+    "Admissions on an unlimited provider refused by routing.third_party_share (the identity's share was at its cap)",
+    ["provider", MODEL],
+)

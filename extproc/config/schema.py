@@ -262,6 +262,19 @@ class AdmissionQueue(_Strict):
     def longest_wait_ms(self) -> int:
         """The longest wait of any class for any model, milliseconds."""
         return max(max([c.max_wait_ms, *c.max_wait_ms_by_model.values()]) for c in self.classes)
+class ThirdPartyShare(_Strict):
+    """An option outside the spec, off by default (docs/operations.md "Third-party spend"): a cap
+    on the share of one identity's requests that unlimited (third-party, paid) providers serve.
+    Over the last `window_seconds`, per identity and model, an admission on an unlimited provider
+    passes only while `unlimited <= max_share x all + burst`, this admission counted in both
+    (`all`: the identity's admissions on every provider, `unlimited`: on unlimited ones). A refused
+    admission is the spec's refusal for capacity: the next provider is tried, and with none left
+    the request gets 429 `capacity_exceeded`. Checked and counted by the admission's own script
+    (one Lua call, atomic); `burst` lets a light identity overflow a few requests."""
+
+    max_share: float = Field(ge=0, le=1)
+    window_seconds: float = Field(default=60.0, gt=0)
+    burst: int = Field(default=0, ge=0)
 
 
 class RoutingSettings(_Strict):
@@ -269,6 +282,33 @@ class RoutingSettings(_Strict):
 
     prefer_previous_provider: PreferPreviousProvider = PreferPreviousProvider()
     queue: AdmissionQueue = AdmissionQueue()
+    third_party_share: ThirdPartyShare | None = None
+
+
+class TracingSettings(_Strict):
+    """OpenTelemetry tracing (docs/operations.md "Tracing"), off while `otlp_endpoint` is None:
+    a span per routed request, with the GenAI semantic conventions' attributes and the routing
+    outcome, exported over OTLP/gRPC to `otlp_endpoint` (`http://host:4317`; `https://` for TLS).
+    A client's `traceparent` is its parent; the span's own context goes to the provider in
+    `traceparent`. `sample_ratio`: the share of traces started here that are recorded (a
+    client's sampling decision is followed). The exporter's standard environment variables
+    (`OTEL_EXPORTER_OTLP_HEADERS`, `OTEL_EXPORTER_OTLP_CERTIFICATE`, `OTEL_RESOURCE_ATTRIBUTES`)
+    apply."""
+
+    otlp_endpoint: Annotated[str | None, RESTART_ONLY] = Field(default=None, pattern=r"^https?://")
+    sample_ratio: Annotated[float, RESTART_ONLY] = Field(default=1.0, ge=0, le=1)
+    service_name: Annotated[str, RESTART_ONLY] = Field(default="iris-extproc", min_length=1)
+
+
+class TokenUsageSettings(_Strict):
+    """Token accounting (docs/operations.md "Third-party spend"): the usage a provider reports in
+    its answers (`usage.prompt_tokens` / `completion_tokens`, or the Responses API's
+    `input_tokens` / `output_tokens`; of a stream, its last chunk, sent when the client asks with
+    `stream_options.include_usage`) is counted per provider and model. `providers`: whose answers
+    are read, `unlimited` (third parties: the spend to watch), `all`, or `none`. Reading an answer
+    costs a message to this server per body chunk; own engines export token counters of their own."""
+
+    providers: Literal["unlimited", "all", "none"] = "unlimited"
 
 
 # What tells who a client is, or where it is, to a third party: never sent to unlimited providers.
@@ -632,6 +672,8 @@ class Config(_Strict):
     def passthrough_features(self) -> frozenset[str]:
         """The features of `passthrough_endpoints`."""
         return frozenset(e.feature for e in self.passthrough_endpoints)
+    tracing: TracingSettings = TracingSettings()
+    token_usage: TokenUsageSettings = TokenUsageSettings()
 
     def providers_in_priority_order(self) -> list[Provider]:
         """The spec's all_providers_in_priority_order(): managed providers first, then unlimited

@@ -94,9 +94,9 @@ class SessionKeys:
         return ""
 
     def tenant(self, identity: str) -> str:
-        """The admission queue's fairness key of `identity` (docs/queue.md): a keyed hash, 16 hex
-        characters, so Redis never holds the identity itself."""
-        return keyed_hash(self.secret, b"tenant", identity.encode())[:16]
+        """The admission queue's fairness key of `identity` (docs/queue.md): 16 hex characters of
+        its `identity_key`, so Redis never holds the identity itself."""
+        return self.identity_key(identity)[:16]
 
     def session(
         self, headers: HeaderSignals, request: ParsedRequest, identity: str, chained_session: str | None = None
@@ -121,6 +121,11 @@ class SessionKeys:
                 parts = (identity, request.model, f"{request.feature}|{signal.value}", value[:MAX_SIGNAL_CHARS])
                 return SessionKey(identity, signal, keyed_hash(self.secret, *(p.encode() for p in parts)))
         return SessionKey(identity, None, None)
+
+    def identity_key(self, identity: str) -> str:
+        """A keyed hash of `identity` (32 hex characters): what Redis keys name an identity by
+        (routing.third_party_share), never the identity itself."""
+        return keyed_hash(self.secret, b"identity", identity.encode())
 
     def outranks_previous_response(self, signal: SessionSignal | None) -> bool:
         """Whether `signal` comes before `previous_response_id` in `session.signals` (then a

@@ -30,6 +30,7 @@ from extproc.operations.reload import ConfigReloader
 from extproc.operations.session_secret import session_secret
 from extproc.protocol.live import build_live
 from extproc.protocol.stream import ExternalProcessor
+from extproc.protocol.tracing import start_tracing
 from extproc.routing.degraded import DegradedFlags
 from extproc.routing.lease_table import LeaseTable
 from extproc.routing.outage import InstanceRegistry, OutagePolicy, RedisBreaker
@@ -48,7 +49,8 @@ HEALTH_SERVICES = ("", EXT_PROC_SERVICE)
 class Gateway:
     """The running server, wired in one place: the Redis client, the degraded flags, the live
     routing config, the lease table with its outage policy and breaker, the health monitor, the
-    stream loop (extproc.protocol.stream) and the gRPC server with its health service. It is the
+    tracer (extproc.protocol.tracing, when tracing is on), the stream loop
+    (extproc.protocol.stream) and the gRPC server with its health service. It is the
     ConfigReceiver of extproc.operations.reload. Use `serve()`.
 
     `worker_index`: which worker of `server.workers` this is; it listens on
@@ -68,7 +70,8 @@ class Gateway:
         self.outage = OutagePolicy(config, live.router, self.registry)
         self.leases = LeaseTable(config, live.state, live.router, self.outage, self.breaker)
         self.health = HealthMonitor(config, self.redis, self.degraded)
-        self.processor = ExternalProcessor(live, self.leases, self.breaker, observer=self.health)
+        self.tracer = start_tracing(config.tracing)  # restart-only: None while tracing is off
+        self.processor = ExternalProcessor(live, self.leases, self.breaker, observer=self.health, tracer=self.tracer)
         self._retired_monitors: set[asyncio.Task] = set()
         self.fleet_reader: FleetStateReader | None = None  # the metrics' reader, when metrics are served
         self.server = grpc.aio.server(
@@ -197,6 +200,8 @@ class Gateway:
         await self.server.stop(settings.drain_grace_seconds)
         await self.leases.drain()
         await self.health.close()
+        if self.tracer is not None:
+            await self.tracer.close()  # the spans still queued, for 2 s at most
         for task in self._background:
             task.cancel()
         try:

@@ -34,7 +34,7 @@ from extproc.openai_api.adaptation import CredentialError
 log = logging.getLogger(__name__)
 
 # The settings sections whose fields may be restart-only (extproc.config.schema.RESTART_ONLY).
-SETTINGS_SECTIONS = ("server", "redis", "session")
+SETTINGS_SECTIONS = ("server", "redis", "session", "tracing")
 
 
 class ConfigReceiver(Protocol):

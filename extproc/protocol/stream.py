@@ -4,9 +4,11 @@ One gRPC stream per HTTP request. Phases, in the order Envoy sends them (see env
 request headers (path, method, identity and session headers; `GET /v1/models` is answered here)
 -> request body, BUFFERED (parse, identity, session key, decide, route by setting the routing
 header with clear_route_cache) -> response headers (record `:status`; a `/v1/responses` answer
-asks for its body) -> response body, only for `/v1/responses` (record the response id:
-extproc.openai_api.chains) -> response trailers -> stream end, when the lease is released, refreshing the
-pin only after a 2xx.
+asks for its body, and so does an answer whose token usage is counted: `token_usage`) -> response
+body, only for those (record the response id: extproc.openai_api.chains; count the usage:
+extproc.openai_api.usage) -> response trailers -> stream end, when the lease is released,
+refreshing the pin only after a 2xx. With tracing on (extproc.protocol.tracing), a span runs from
+the parsed body to the stream end.
 
 The stream loop knows only Envoy's phases: it hands each decision to the lease table
 (extproc.routing.lease_table), which owns every lease, and hands it the stream's end. The end reaches a
@@ -29,12 +31,13 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_gr
 from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingRequest, ProcessingResponse
 
 from extproc import metrics
-from extproc.config import Config, Provider
+from extproc.config import Config, Provider, ProviderKind
 from extproc.openai_api.chains import ChainLink, ResponseChains, ResponseIdReader
 from extproc.openai_api.renaming import ModelNameRewriter
 from extproc.openai_api.request import ParsedRequest, RequestError, feature_for_path, parse_request, response_lookup
 from extproc.openai_api.sessions import HeaderSignals, SessionKeys, previous_response_id
-from extproc.protocol import answers
+from extproc.openai_api.usage import UsageReader
+from extproc.protocol import answers, tracing
 from extproc.protocol import messages as msg
 from extproc.protocol.live import LiveConfig
 from extproc.protocol.lookups import REASON as LOOKUP_REASON
@@ -79,6 +82,9 @@ class StreamState:
     rewriter: ModelNameRewriter | None = None
     lookup: RoutedLookup | None = None  # a stored response by id, routed in the headers phase
     ended: bool = False
+    trace_headers: dict[str, str] | None = None  # the client's trace context (tracing on)
+    span: object | None = None  # the request's span, until the stream ends (tracing on)
+    usage: UsageReader | None = None  # reads the answer's token usage (token_usage)
 
     @property
     def lease_lost(self) -> bool:
@@ -91,11 +97,15 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
     `live` (extproc.protocol.live) is replaced by `apply` on a config reload; a request reads it
     once, when its body arrives, and decides and adapts with that snapshot. `breaker`: the Redis
     circuit breaker the chain lookups and records report to. `observer`: where response
-    headers are reported (health), if anywhere."""
+    headers are reported (health), if anywhere. `tracer`: the spans' (None: tracing off)."""
 
-    def __init__(self, live: LiveConfig, leases: LeaseTable, breaker: RedisBreaker, observer: UpstreamObserver | None = None):
+    def __init__(
+        self, live: LiveConfig, leases: LeaseTable, breaker: RedisBreaker, observer: UpstreamObserver | None = None,
+        tracer: tracing.RequestTracer | None = None,
+    ):
         self.live = live
         self.observer = observer
+        self.tracer = tracer
         self.leases = leases
         self.breaker = breaker
         self._chain_refreshes: set[asyncio.Task] = set()
@@ -176,6 +186,8 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
         class_header = self.config.routing.queue.class_header
         if class_header is not None:
             stream.priority_header = headers.get(class_header)
+        if self.tracer is not None:
+            stream.trace_headers = tracing.carrier(headers)
         try:
             if answers.is_models_path(stream.path):
                 return answers.models(stream.method, stream.path, self.live.model_list, self.live.models)
@@ -214,6 +226,7 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
         except RequestError as exc:
             return answers.request_error(exc)
         routing_request = await self._routing_request(stream, parsed)
+        span = None if self.tracer is None else self.tracer.start(stream.trace_headers, parsed.feature, parsed.model)
         started = time.perf_counter()
         try:
             outcome = await self.leases.decide(routing_request, live.router, live.state)
@@ -222,9 +235,14 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
             metrics.DECISION_SECONDS.observe(decision_seconds)
         decision_ms = round(decision_seconds * 1000, 3)
         if isinstance(outcome, (Refusal, Rejection)):
-            return self._answer_refused(outcome, routing_request, parsed, live, decision_ms)
+            answer = self._answer_refused(outcome, routing_request, parsed, live, decision_ms)
+            if span is not None:
+                self._trace_refused(span, answer, decision_ms)
+            return answer
         if stream.ended:  # the stream ended while the decision was on its way
             self.leases.end(outcome, succeeded=False)
+            if span is not None:
+                self.tracer.finish(span, None)
             return None
         stream.held, stream.decision = outcome, outcome.decision
         outcome.on_lost = asyncio.current_task().cancel  # this stream's task: a lost lease cancels it
@@ -235,9 +253,26 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
             stream.upstream_model = live.adapter.upstream_model(decision.provider, parsed.model)
         change = live.adapter.adapt(decision.provider, parsed.model, parsed.body, routing_request.session_id)
         metadata = {"provider": decision.provider.name, "reason": decision.reason.value, "decision_ms": decision_ms}
-        return msg.route_to_cluster(
-            self._routing_header, change.cluster, change.set_headers, change.remove, change.body, metadata
-        )
+        set_headers, remove = change.set_headers, change.remove
+        if span is not None:
+            stream.span = span
+            set_headers, remove = self._trace_context(span, decision, routing_request.session_id, decision_ms, set_headers, remove)
+        return msg.route_to_cluster(self._routing_header, change.cluster, set_headers, remove, change.body, metadata)
+
+    def _trace_refused(self, span, answer: ProcessingResponse, decision_ms: float) -> None:
+        """End `span` with the status and error code of the router's own `answer`."""
+        fields = answer.dynamic_metadata.fields[msg.METADATA_NAMESPACE].struct_value.fields
+        self.tracer.rejected(span, answer.immediate_response.status.code, fields["code"].string_value, decision_ms)
+
+    def _trace_context(
+        self, span, decision: Decision, session_id: str | None, decision_ms: float, set_headers: dict[str, str], remove: list[str]
+    ) -> tuple[dict[str, str], list[str]]:
+        """Record the decision on `span`; the routing answer's headers then carry the span's trace
+        context to the provider, or, for a third party that gets none, lose the client's."""
+        context = self.tracer.routed(span, decision.provider, decision.reason.value, session_id, decision_ms)
+        if context:
+            return {**set_headers, **context}, remove
+        return set_headers, [*remove, *tracing.TRACE_HEADERS]
 
     async def _routing_request(self, stream: StreamState, parsed: ParsedRequest) -> RoutingRequest:
         """Identity, session key and, for a Responses turn continuing a stored response, the
@@ -266,7 +301,8 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
         queue = self.live.router.queue
         if queue.enabled(parsed.model):  # the admission queue's class and fairness key (docs/queue.md)
             priority, tenant = queue.class_for(stream.priority_header, stream.identity), self.sessions.tenant(stream.identity)
-        return RoutingRequest(parsed.model, parsed.feature, parsed.sub_features, key.session_id, required, priority, tenant)
+        share = self.sessions.identity_key(stream.identity) if self.config.routing.third_party_share is not None else None
+        return RoutingRequest(parsed.model, parsed.feature, parsed.sub_features, key.session_id, required, priority, tenant, share)
 
     def _answer_refused(
         self, outcome: Refusal | Rejection, request: RoutingRequest, parsed: ParsedRequest, live: LiveConfig, decision_ms: float
@@ -321,6 +357,7 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
                     stream.rewriter = ModelNameRewriter(stream.upstream_model, stream.model, event_stream)
                     remove = ["content-length"] if event_stream else None  # chunks may change length
                 read_body = "STREAMED" if event_stream else "BUFFERED"
+        read_body = self._read_usage(stream, request, read_body)
         return msg.continue_response_headers(extra or None, read_body, remove)
 
     async def _on_lookup_answer(self, stream: StreamState) -> None:
@@ -339,10 +376,46 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
                 self.breaker.record_failure(exc)
                 log.warning("response chain not forgotten after a delete (redis): %s", exc)
 
+    def _read_usage(self, stream: StreamState, request: ProcessingRequest, read_body: str | None) -> str | None:
+        """The response body mode to ask for (`read_body`: the one asked so far): STREAMED when
+        the answer's token usage is counted (`token_usage.providers`, a 2xx), whatever its type
+        or size, read chunk by chunk (or the mode already asked for the response id or the model
+        name); a compressed answer is not read and counts as unreported."""
+        decision = stream.decision
+        if decision is None or not 200 <= (stream.status or 0) < 300 or not self._counts_usage(decision.provider):
+            return read_body
+        if msg.header_value(request.response_headers, "content-encoding") not in (None, "", "identity"):
+            metrics.USAGE_UNREPORTED.labels(decision.provider.name, stream.model).inc()
+            return read_body
+        stream.usage = UsageReader()
+        return read_body or "STREAMED"
+
+    def _counts_usage(self, provider: Provider) -> bool:
+        whose = self.config.token_usage.providers
+        return whose == "all" or (whose == "unlimited" and provider.kind is ProviderKind.UNLIMITED)
+
+    def _count_usage(self, stream: StreamState, chunk: bytes, end_of_stream: bool) -> None:
+        """Feed the usage reader; once the body ends, count the tokens it reported
+        (iris_tokens_total) or that it reported none (iris_usage_unreported_total)."""
+        if not stream.usage.feed(chunk, end_of_stream):
+            return
+        usage, provider = stream.usage.usage, stream.decision.provider
+        if usage is None:
+            metrics.USAGE_UNREPORTED.labels(provider.name, stream.model).inc()
+            return
+        kind = provider.kind.value
+        metrics.TOKENS.labels(provider.name, kind, stream.model, "input").inc(usage.input_tokens)
+        metrics.TOKENS.labels(provider.name, kind, stream.model, "output").inc(usage.output_tokens)
+        if stream.span is not None:
+            self.tracer.usage(stream.span, usage.input_tokens, usage.output_tokens)
+
     async def _on_response_body(self, stream: StreamState, request: ProcessingRequest) -> ProcessingResponse:
-        """Only /v1/responses answers and answers to rewrite come here: record the response id once
-        it is seen; put the client's model name in place of the provider's."""
+        """A /v1/responses answer (record the response id once it is seen), an answer to rewrite
+        (put the client's model name in place of the provider's) or one whose usage is counted
+        (`_read_usage`)."""
         chunk, end = request.response_body.body, request.response_body.end_of_stream
+        if stream.usage is not None and not stream.usage.done:
+            self._count_usage(stream, chunk, end)
         reader = stream.reader
         if reader is not None and not reader.done:
             response_id = reader.feed(chunk, end)
@@ -376,6 +449,8 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
         if stream.ended:
             return
         stream.ended = True
+        if stream.span is not None:
+            self.tracer.finish(stream.span, stream.status)
         if stream.held is not None:
             succeeded = stream.status is not None and 200 <= stream.status < 300
             self.leases.end(stream.held, succeeded)

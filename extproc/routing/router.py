@@ -33,7 +33,13 @@ class RoutingRequest:
     provider as unfit. None (every other request) leaves the spec's algorithm exactly as it is.
 
     `priority` and `tenant`: the admission queue's class and fairness key (extproc.routing.queue);
-    read only when the queue is on for the model."""
+    read only when the queue is on for the model.
+
+    `share_key`: not the spec's either. With routing.third_party_share on, every admission of the
+    request is counted in its identity's share, and one on an unlimited provider the share
+    refuses (THIRD_PARTY_SHARE_REACHED) is a refusal for capacity: a new pin or a repin tries
+    the next provider, a pinned request is offloaded (its pin kept), a temporary one tries the
+    next. None leaves the spec's algorithm exactly as it is."""
 
     model: str
     feature: str
@@ -42,6 +48,7 @@ class RoutingRequest:
     required_provider: str | None = None
     priority: str | None = None  # the admission queue's class (docs/queue.md); None: the default class
     tenant: str = ""  # the admission queue's fairness key: a keyed hash of the identity ("" anonymous)
+    share_key: str | None = None  # the identity's key for routing.third_party_share (None: no share checked)
 
 
 class Reason(str, enum.Enum):
@@ -170,7 +177,8 @@ class Router:
                 order = self.pin_order(request)
                 names = [p.name for p in order]
                 pin, admission = await self.state.get_pin_and_try_admit(
-                    request.model, request.session_id, names, lease_id=ids.lease_id, pin_id=ids.pin_id, **self._queued(ticket)
+                    request.model, request.session_id, names, lease_id=ids.lease_id, pin_id=ids.pin_id, share=request.share_key,
+                    **self._queued(ticket),
                 )
                 self._note(ticket, admission)
             else:
@@ -207,7 +215,7 @@ class Router:
         def attempt(provider: Provider, mode: str):
             return self.state.try_admit_unpinned_session_request(
                 provider.name, request.model, request.session_id, lease_id=ids.lease_id, pin_id=ids.pin_id,
-                queue=ticket.args(mode),
+                share=request.share_key, queue=ticket.args(mode),
             )
 
         for index, provider in enumerate(order if order is not None else self.pin_order(request)):
@@ -221,9 +229,10 @@ class Router:
             else:
                 admission = await self.state.try_admit_unpinned_session_request(
                     provider.name, request.model, request.session_id, lease_id=ids.lease_id, pin_id=ids.pin_id,
-                    **self._queued(ticket),
+                    share=request.share_key, **self._queued(ticket),
                 )
                 self._note(ticket, admission)
+            _count_share_refusal(provider, request.model, admission.result)
             if admission.result is Result.ALREADY_PINNED:
                 return RETRY_ROUTING
             if admission.result is Result.ADMITTED:
@@ -256,14 +265,14 @@ class Router:
 
         if admission is None:
             admission = await self.state.try_admit_pinned_session_request(
-                request.model, request.session_id, lease_id=ids.lease_id, **self._queued(ticket)
+                request.model, request.session_id, lease_id=ids.lease_id, share=request.share_key, **self._queued(ticket)
             )
             self._note(ticket, admission)
         if admission.result is Result.QUEUED:
             waited = await self._wait_for_slot(
                 ticket, [provider],
                 lambda _, mode: self.state.try_admit_pinned_session_request(
-                    request.model, request.session_id, lease_id=ids.lease_id, queue=ticket.args(mode)
+                    request.model, request.session_id, lease_id=ids.lease_id, share=request.share_key, queue=ticket.args(mode)
                 ),
             )
             if waited is None:
@@ -280,7 +289,9 @@ class Router:
         if admission.result in (
             Result.PER_SESSION_IN_FLIGHT_REQUEST_LIMIT_REACHED,
             Result.GLOBAL_IN_FLIGHT_REQUEST_LIMIT_REACHED,
+            Result.THIRD_PARTY_SHARE_REACHED,  # beyond the spec: see RoutingRequest.share_key
         ):
+            _count_share_refusal(provider, request.model, admission.result)
             return await self.execute_temporary_fallback(request, ids, excluded_provider=provider, ticket=ticket)
         if admission.result is not Result.ADMITTED:
             return RETRY_ROUTING
@@ -298,7 +309,7 @@ class Router:
         async def attempt(provider: Provider, mode: str) -> Admission:
             cas = await self.state.try_compare_and_swap_pin_and_admit_request(
                 current_pin, request.model, request.session_id, provider.name, lease_id=ids.lease_id, pin_id=ids.pin_id,
-                queue=ticket.args(mode),
+                share=request.share_key, queue=ticket.args(mode),
             )
             return cas.admission
 
@@ -312,9 +323,11 @@ class Router:
                     return self._repinned_after_wait(ticket, *waited)
             cas = await self.state.try_compare_and_swap_pin_and_admit_request(
                 current_pin, request.model, request.session_id, provider.name, lease_id=ids.lease_id, pin_id=ids.pin_id,
+                share=request.share_key,
                 **self._queued(ticket),
             )
             self._note(ticket, cas.admission)
+            _count_share_refusal(provider, request.model, cas.admission.result)
             if cas.pin_match is not PinMatch.MATCHED:
                 return RETRY_ROUTING
             if cas.admission.result is Result.ADMITTED:
@@ -349,7 +362,9 @@ class Router:
         waiting: list[Provider] = []
 
         def attempt(provider: Provider, mode: str):
-            return self.state.try_admit_request_without_pin(provider.name, request.model, lease_id=ids.lease_id, queue=ticket.args(mode))
+            return self.state.try_admit_request_without_pin(
+                provider.name, request.model, lease_id=ids.lease_id, share=request.share_key, queue=ticket.args(mode)
+            )
 
         for provider in self.eligible(request):
             if provider is excluded_provider:
@@ -363,15 +378,21 @@ class Router:
                     return self._admitted_after_wait(ticket, chosen, decision)
             if self.provider_has_configured_limits(provider, request.model):
                 admission = await self.state.try_admit_request_without_pin(
-                    provider.name, request.model, lease_id=ids.lease_id, **self._queued(ticket)
+                    provider.name, request.model, lease_id=ids.lease_id, share=request.share_key, **self._queued(ticket)
                 )
                 self._note(ticket, admission)
+                _count_share_refusal(provider, request.model, admission.result)
                 if admission.result is Result.QUEUED:
                     waiting.append(provider)
                 if admission.result is not Result.ADMITTED:
                     continue
                 return Decision(provider, reason, admission.lease, None, refresh_pin_on_success=False)
             # Pairs without limits need no capacity lease for requests not tied to one of their pins.
+            if request.share_key is not None and self.config.routing.third_party_share is not None:
+                result = await self.state.try_admit_share(provider.name, request.model, request.share_key, lease_id=ids.lease_id)
+                _count_share_refusal(provider, request.model, result)
+                if result is not Result.ADMITTED:
+                    continue
             return Decision(provider, reason, None, None, refresh_pin_on_success=False)
         if waiting:
             waited = await self._wait_for_slot(ticket, waiting, attempt)
@@ -526,6 +547,10 @@ def _count_wait(ticket: Ticket) -> None:
         metrics.QUEUE_TIMEOUTS.labels(ticket.model, ticket.priority).inc()
     else:
         metrics.QUEUE_WAIT_SECONDS.labels("", ticket.model, ticket.priority, "left").observe(seconds)
+def _count_share_refusal(provider: Provider, model: str, result: Result) -> None:
+    """Count an admission routing.third_party_share refused (iris_third_party_share_refusals_total)."""
+    if result is Result.THIRD_PARTY_SHARE_REACHED:
+        metrics.THIRD_PARTY_SHARE_REFUSALS.labels(provider.name, model).inc()
 
 
 _FEATURE_PARAMS = {"tools": "tools", "vision": "messages", "json_schema": "response_format"}

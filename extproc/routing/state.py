@@ -18,11 +18,12 @@ from dataclasses import dataclass
 from importlib import resources
 
 from extproc import metrics
-from extproc.config import Config, Provider
+from extproc.config import Config, Provider, ProviderKind
 from extproc.storage.client import LuaScript, RedisClient, connect  # noqa: F401 (connect: re-exported)
 from extproc.storage.keys import Keyspace
 
 NO_LIMIT = -1
+SHARE_OFF = [0, 0, 0, ""]  # the scripts' routing.third_party_share arguments when it does not apply (lua/lib.lua read_share)
 NOT_REPLICATED_LOG_INTERVAL_SECONDS = 10.0
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ class Result(str, enum.Enum):
     # The admission queue (docs/queue.md); never answered while it is off.
     QUEUED = "QUEUED"  # the request's ticket waits in the pair's queue
     TICKET_LOST = "TICKET_LOST"  # the waiting ticket is gone (its lease ended, or Redis lost it)
+    THIRD_PARTY_SHARE_REACHED = "THIRD_PARTY_SHARE_REACHED"  # routing.third_party_share refused it
 
 
 CAPACITY_RESULTS = frozenset(
@@ -153,6 +155,7 @@ SCRIPT_NAMES = (
     "adopt",
     "abandon",
     "queue_leave",
+    "admit_share",
 )
 
 # The scripts that take the admission queue's keys when it is on for the model (lua/queue.lua):
@@ -211,6 +214,8 @@ class RoutingState:
         self._not_replicated_since_log = 0
         self._model_keys: dict[str, list[str]] = {}
         self._model_args: dict[str, list[object]] = {}
+        self._share_args: dict[str, list[object]] = {}
+        share = config.routing.third_party_share
         for model in config.models():
             providers = config.providers_for(model)
             self._model_keys[model] = [
@@ -219,6 +224,9 @@ class RoutingState:
                 for key in (self.keys.provider_pins(model, p.name), self.keys.provider_leases(model, p.name))
             ]
             self._model_args[model] = [*self._timing, len(providers), *_limits_args(config, model, providers)]
+            if share is not None:
+                unlimited = ",".join(p.name for p in providers if p.kind is ProviderKind.UNLIMITED)
+                self._share_args[model] = [round(share.window_seconds * 1000), round(share.max_share * 1_000_000), share.burst, unlimited]
         self._queue_keys: dict[str, list[str]] = {}
         self._queue_default: dict[str, QueueArgs] = {}
         queue = config.routing.queue
@@ -260,6 +268,7 @@ class RoutingState:
         *,
         lease_id: str | None = None,
         pin_id: str | None = None,
+        share: str | None = None,
         now_ms: int | None = None,
         queue: QueueArgs | None = None,
     ) -> tuple[Pin | None, Admission | None]:
@@ -270,9 +279,13 @@ class RoutingState:
 
         `lease_id` / `pin_id` (every admission takes both): the ids to record the lease and a
         new pin under, minted by the caller before the call (extproc.routing.lease_table), so a call
-        whose answer never comes back can still be abandoned; fresh ones when None."""
+        whose answer never comes back can still be abandoned; fresh ones when None.
+
+        `share` (every admission takes it): the identity's key for routing.third_party_share
+        (RoutingRequest.share_key); with it, an admission the identity's share refuses answers
+        THIRD_PARTY_SHARE_REACHED. None, or the option off: no share is checked."""
         args = [lease_id or new_id(), pin_id or new_id(), *eligible]
-        reply = await self._call("get_pin_and_admit", model, session_id, args, now_ms, queue=queue)
+        reply = await self._call("get_pin_and_admit", model, session_id, args, now_ms, queue=queue, share=share)
         pinned_branch = _text(reply[8]) == "pinned"
         admission = _decode(model, session_id, reply[:8], None if pinned_branch else (eligible or [None])[0])
         pin = None
@@ -290,22 +303,23 @@ class RoutingState:
         *,
         lease_id: str | None = None,
         pin_id: str | None = None,
+        share: str | None = None,
         now_ms: int | None = None,
         queue: QueueArgs | None = None,
     ) -> Admission:
         """Pin the session to `provider` and admit, or answer ALREADY_PINNED (another request
         pinned it first) or a capacity result. New pins may not use reserved slots (the spec)."""
         args = [provider, lease_id or new_id(), pin_id or new_id()]
-        reply = await self._call("admit_unpinned", model, session_id, args, now_ms, queue=queue)
+        reply = await self._call("admit_unpinned", model, session_id, args, now_ms, queue=queue, share=share)
         return _decode(model, session_id, reply, provider)
 
     async def try_admit_pinned_session_request(
-        self, model: str, session_id: str, *, lease_id: str | None = None, pin_id: str | None = None, now_ms: int | None = None,
-        queue: QueueArgs | None = None,
+        self, model: str, session_id: str, *, lease_id: str | None = None, pin_id: str | None = None, share: str | None = None,
+        now_ms: int | None = None, queue: QueueArgs | None = None,
     ) -> Admission:
         """Admit on the session's current pin (reserved slots allowed), or SESSION_NOT_PINNED,
         PER_SESSION_/GLOBAL_IN_FLIGHT_REQUEST_LIMIT_REACHED. `pin` is the pin seen by the script."""
-        reply = await self._call("admit_pinned", model, session_id, [lease_id or new_id()], now_ms, queue=queue)
+        reply = await self._call("admit_pinned", model, session_id, [lease_id or new_id()], now_ms, queue=queue, share=share)
         return _decode(model, session_id, reply)
 
     async def try_compare_and_swap_pin_and_admit_request(
@@ -317,6 +331,7 @@ class RoutingState:
         *,
         lease_id: str | None = None,
         pin_id: str | None = None,
+        share: str | None = None,
         now_ms: int | None = None,
         queue: QueueArgs | None = None,
     ) -> CasResult:
@@ -327,18 +342,25 @@ class RoutingState:
         there at once (it is the same pin whenever the ids match)."""
         args = [expected_pin.id, provider, lease_id or new_id(), pin_id or new_id()]
         old_pins = (self.keys.provider_pins(model, expected_pin.provider),)
-        reply = await self._call("cas_repin", model, session_id, args, now_ms, extra_keys=old_pins, queue=queue)
+        reply = await self._call("cas_repin", model, session_id, args, now_ms, extra_keys=old_pins, queue=queue, share=share)
         admission = _decode(model, session_id, reply, provider)
         match = PinMatch.MISMATCHED if admission.result is Result.PIN_MISMATCH else PinMatch.MATCHED
         return CasResult(match, admission)
 
     async def try_admit_request_without_pin(
-        self, provider: str, model: str, *, lease_id: str | None = None, pin_id: str | None = None, now_ms: int | None = None,
-        queue: QueueArgs | None = None,
+        self, provider: str, model: str, *, lease_id: str | None = None, pin_id: str | None = None, share: str | None = None,
+        now_ms: int | None = None, queue: QueueArgs | None = None,
     ) -> Admission:
         """Admit a temporary request (no pin) on a pair with limits; reserved slots not allowed."""
-        reply = await self._call("admit_without_pin", model, "", [provider, lease_id or new_id()], now_ms, queue=queue)
+        reply = await self._call("admit_without_pin", model, "", [provider, lease_id or new_id()], now_ms, queue=queue, share=share)
         return _decode(model, None, reply, provider)
+
+    async def try_admit_share(self, provider: str, model: str, share: str, *, lease_id: str, now_ms: int | None = None) -> Result:
+        """routing.third_party_share for a temporary request on a pair without limits (no lease:
+        the spec): ADMITTED, counted in the share of identity key `share` under `lease_id`, or
+        THIRD_PARTY_SHARE_REACHED (lua/admit_share.lua)."""
+        reply = await self._call("admit_share", model, "", [provider, lease_id], now_ms, share=share)
+        return Result(_text(reply[0]))
 
     async def adopt_request_lease(self, lease: Lease, *, now_ms: int | None = None) -> Admission:
         """Record a temporary lease granted while Redis was unreachable, without a capacity check
@@ -397,6 +419,7 @@ class RoutingState:
         with_providers: bool = True,
         extra_keys: tuple[str, ...] = (),
         queue: QueueArgs | None = None,
+        share: str | None = None,
     ) -> list:
         """`queue`: the call's admission-queue arguments; None: the model's default (a request of
         the default class without a ticket). Ignored unless the queue is on for the model and the
@@ -409,12 +432,15 @@ class RoutingState:
         queue_section: list[object] = ["0"]
         if with_providers:
             keys += self._model_keys[model]
+            share_args = self._share_args.get(model) if share is not None else None
+            if share_args is not None:
+                keys += [self.keys.share_admissions(model, share), self.keys.share_unlimited_admissions(model, share)]
             if script in QUEUE_SCRIPTS and model in self._queue_keys:
                 keys += self._queue_keys[model]
                 queue_section = self._queue_section(model, queue or self._queue_default[model])
-            args = ["" if now_ms is None else now_ms, *self._model_args[model], *queue_section, *op_args]
+            args = ["" if now_ms is None else now_ms, *self._model_args[model], *(share_args or SHARE_OFF), *queue_section, *op_args]
         else:
-            args = ["" if now_ms is None else now_ms, *self._timing, 0, *queue_section]
+            args = ["" if now_ms is None else now_ms, *self._timing, 0, *SHARE_OFF, *queue_section]
         keys += extra_keys
         if self._durable is None or script not in ADMITTING_SCRIPTS:
             return await self._scripts[script](self.redis, keys, args)

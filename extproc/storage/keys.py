@@ -78,6 +78,14 @@ class Keyspace:
     def queue_wake(self, model: str) -> str:
         """The pub/sub channel on which scripts name the tickets that may take a freed slot."""
         return f"{self.tag(model)}:queue-wake"
+    def share_admissions(self, model: str, identity_key: str) -> str:
+        """routing.third_party_share: an identity's admissions of `model` in the window (zset:
+        lease id -> Redis time, ms); `identity_key` is a keyed hash of the identity."""
+        return f"{self.tag(model)}:share-all:{identity_key}"
+
+    def share_unlimited_admissions(self, model: str, identity_key: str) -> str:
+        """routing.third_party_share: the same identity's admissions on unlimited providers."""
+        return f"{self.tag(model)}:share-unlimited:{identity_key}"
 
     def epoch(self) -> str:
         """The routing state's epoch (``<uuid>@<Redis time, ms>``, ``:lost`` appended when written

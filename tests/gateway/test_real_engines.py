@@ -13,6 +13,7 @@ import httpx
 import openai
 import pytest
 import redis
+from prometheus_client.parser import text_string_to_metric_families
 
 from extproc import cli
 from irislab.engines import MODEL_NAME, LlamaServer
@@ -28,6 +29,7 @@ def engines_config() -> dict:
         "redis": {"key_prefix": "engines"},
         "server": {"expose_routing_headers": True, "degraded_refresh_seconds": 0.1},
         "degradation": {"connect": {"ttl_seconds": 60}},
+        "token_usage": {"providers": "all"},  # the engines' own usage fields, counted (iris_tokens_total)
         "providers": [
             {"name": "iris-1", "kind": "managed", "cluster": "iris-1", "models": {MODEL_NAME: own}},
             {"name": "iris-2", "kind": "managed", "cluster": "iris-2", "models": {MODEL_NAME: own}},
@@ -78,8 +80,20 @@ def served_by(engines: list[LlamaServer], send):
     return result, (moved[0] if moved else None)
 
 
+def tokens_counted(gateway: LocalGateway) -> dict[str, float]:
+    """iris_tokens_total summed over providers: {gen_ai_token_type: tokens}."""
+    found: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx.get(gateway.running[0].metrics_url, timeout=10).text):
+        for sample in family.samples:
+            if sample.name == "iris_tokens_total":
+                kind = sample.labels["gen_ai_token_type"]
+                found[kind] = found.get(kind, 0) + sample.value
+    return found
+
+
 def test_streamed_and_non_streamed_chat_through_the_openai_sdk(gateway):
     sdk = client(gateway)
+    before = tokens_counted(gateway)
     answer = sdk.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "Say hello."}], max_tokens=8)
     assert answer.choices[0].message.content and answer.usage.prompt_tokens > 0 and answer.usage.completion_tokens > 0
     stream = sdk.chat.completions.create(
@@ -90,6 +104,11 @@ def test_streamed_and_non_streamed_chat_through_the_openai_sdk(gateway):
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text and chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
     assert wait_for_no_leases(redis.Redis.from_url(gateway.redis_url), within_seconds=10) == 0
+    # The gateway counted exactly what the engine reported, from its JSON answer and its stream's last chunk.
+    after = tokens_counted(gateway)
+    reported = (answer.usage, chunks[-1].usage)
+    assert {kind: after.get(kind, 0) - before.get(kind, 0) for kind in ("input", "output")} == {
+        "input": sum(u.prompt_tokens for u in reported), "output": sum(u.completion_tokens for u in reported)}
 
 
 def test_each_session_keeps_its_replica_and_meets_its_own_cache_there_only(gateway, engines):

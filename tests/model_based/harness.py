@@ -188,10 +188,11 @@ class Recorder:
             lambda: self.state.get_pin(model, session_id, now_ms=now_ms),
         )
 
-    async def get_pin_and_try_admit(self, model, session_id, eligible, *, lease_id=None, pin_id=None, now_ms=None):
+    async def get_pin_and_try_admit(self, model, session_id, eligible, *, lease_id=None, pin_id=None, share=None, now_ms=None):
         """The fused first attempt, logged as the spec's two steps it stands for: get_pin, then
         the admission it tried (none when it tried none). It is atomic, so nothing of another
         caller can fall between the two entries."""
+        assert share is None, "the model has no routing.third_party_share (tests/unit/routing/test_third_party_share.py)"
         now_ms, lease_id = self._now(now_ms), lease_id or next(self.lease_ids)
         async with self.lock:
             pin, admission = await self.state.get_pin_and_try_admit(
@@ -207,7 +208,8 @@ class Recorder:
                 self.log.append(Entry(_task(), op, args, lease_id, admission.now_ms, admission, self.proxy))
         return pin, admission
 
-    async def try_admit_unpinned_session_request(self, provider, model, session_id, *, lease_id=None, pin_id=None, now_ms=None):
+    async def try_admit_unpinned_session_request(self, provider, model, session_id, *, lease_id=None, pin_id=None, share=None, now_ms=None):
+        assert share is None, "the model has no routing.third_party_share (tests/unit/routing/test_third_party_share.py)"
         now_ms, lease_id = self._now(now_ms), lease_id or next(self.lease_ids)
         return await self._run(
             "admit_unpinned", {"provider": provider, "model": model, "session": session_id}, lease_id, now_ms,
@@ -216,7 +218,8 @@ class Recorder:
             ),
         )
 
-    async def try_admit_pinned_session_request(self, model, session_id, *, lease_id=None, pin_id=None, now_ms=None):
+    async def try_admit_pinned_session_request(self, model, session_id, *, lease_id=None, pin_id=None, share=None, now_ms=None):
+        assert share is None, "the model has no routing.third_party_share (tests/unit/routing/test_third_party_share.py)"
         now_ms, lease_id = self._now(now_ms), lease_id or next(self.lease_ids)
         return await self._run(
             "admit_pinned", {"model": model, "session": session_id}, lease_id, now_ms,
@@ -224,8 +227,9 @@ class Recorder:
         )
 
     async def try_compare_and_swap_pin_and_admit_request(
-        self, expected_pin, model, session_id, provider, *, lease_id=None, pin_id=None, now_ms=None
+        self, expected_pin, model, session_id, provider, *, lease_id=None, pin_id=None, share=None, now_ms=None
     ):
+        assert share is None, "the model has no routing.third_party_share (tests/unit/routing/test_third_party_share.py)"
         now_ms, lease_id = self._now(now_ms), lease_id or next(self.lease_ids)
         args = {"expected_pin": expected_pin, "model": model, "session": session_id, "provider": provider}
         return await self._run(
@@ -235,7 +239,8 @@ class Recorder:
             ),
         )
 
-    async def try_admit_request_without_pin(self, provider, model, *, lease_id=None, pin_id=None, now_ms=None):
+    async def try_admit_request_without_pin(self, provider, model, *, lease_id=None, pin_id=None, share=None, now_ms=None):
+        assert share is None, "the model has no routing.third_party_share (tests/unit/routing/test_third_party_share.py)"
         now_ms, lease_id = self._now(now_ms), lease_id or next(self.lease_ids)
         return await self._run(
             "admit_without_pin", {"provider": provider, "model": model}, lease_id, now_ms,

@@ -16,4 +16,7 @@ local result = capacity_result(ctx, p, nil, false, false)
 if result ~= 'ADMITTED' then
   return reply(ctx, result, nil)
 end
+if not share_admits(ctx, p, lease_id) then
+  return reply(ctx, 'THIRD_PARTY_SHARE_REACHED', nil)
+end
 return reply(ctx, 'ADMITTED', nil, lease_id, add_lease(ctx, p, lease_id))

@@ -27,6 +27,9 @@ local result = capacity_result(ctx, target, earlier_in_flight(ctx, target), fals
 if result ~= 'ADMITTED' then
   return reply(ctx, result, pin)
 end
+if not share_admits(ctx, target, lease_id) then
+  return reply(ctx, 'THIRD_PARTY_SHARE_REACHED', pin)
+end
 -- The old pin stops counting on its provider at once, even when this proxy's configuration no
 -- longer routes the model there (a rollout): that provider's pins key then comes last in KEYS.
 local old = ctx.by_name[pin.provider] or {pins_key = KEYS[#KEYS]}

@@ -7,13 +7,17 @@
 --           moved the pin (zset: "<provider>/<lease id>" -> lease deadline, ms)
 --       [2+2i] provider i's live pins of this model (zset: pin id -> pin expiry, ms)
 --       [3+2i] provider i's leases of this model (zset: lease id -> lease deadline, ms)
+--       then, with routing.third_party_share on, the identity's two share zsets (read_share);
+--       a script's own extra keys come last.
 -- ARGV: [1] now in ms, or "" to take Redis TIME (tests pass an explicit time, production never)
 --       [2] pin inactivity timeout ms, [3] lease timeout ms, [4] housekeeping grace ms for key TTLs
 --       [5] n providers, then 5 per provider: name, max pinned sessions, max global in-flight
 --       request slots, slots reserved for pinned sessions, max per-session in-flight slots
---       (-1: no limit); then the admission queue's section (lua/queue.lua: "0" when the
---       queue is off for the call); then the operation's own arguments.
---       With the queue on, KEYS go on after the providers' keys with the queue's (lua/queue.lua).
+--       (-1: no limit); then 4 for routing.third_party_share (read_share); then the admission
+--       queue's section (lua/queue.lua: "0" when the queue is off for the call); then the
+--       operation's own arguments.
+--       With the queue on, KEYS go on after the providers' keys (and the share's two) with the
+--       queue's (lua/queue.lua).
 --
 -- A pin is live while its expiry is in the future; expiry = max(inactivity deadline, deadline of
 -- every lease on the pin), so a live lease keeps its pin alive and counts never include the dead.
@@ -31,6 +35,24 @@ local queue_section, queue_gate, queue_wake, queue_drop_ticket
 local function redis_now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+-- routing.third_party_share (docs/operations.md "Third-party spend"), off when its window is 0.
+-- ARGV after the providers' limits: window ms, max share in millionths, burst, the unlimited
+-- providers' names joined by ','. When on, KEYS holds two more after the providers' keys: the
+-- identity's admissions in the window and those on unlimited providers (zsets: lease id -> ms).
+local function read_share(n)
+  local at = 6 + n * 5
+  local window = tonumber(ARGV[at]) or 0
+  if window <= 0 then
+    return nil
+  end
+  local share = {window = window, max_ppm = tonumber(ARGV[at + 1]), burst = tonumber(ARGV[at + 2]),
+    all_key = KEYS[4 + 2 * n], unlimited_key = KEYS[5 + 2 * n], unlimited = {}}
+  for name in string.gmatch(ARGV[at + 3], '[^,]+') do
+    share.unlimited[name] = true
+  end
+  return share
 end
 
 local function read_context()
@@ -57,7 +79,8 @@ local function read_context()
       leases_key = KEYS[3 + 2 * i],
     }
   end
-  ctx.args_at = queue_section(ctx, 6 + n * 5, n)
+  ctx.share = read_share(n)
+  ctx.args_at = queue_section(ctx, 10 + n * 5, n, 4 + 2 * n + (ctx.share and 2 or 0))
   return ctx
 end
 
@@ -244,6 +267,35 @@ local function reply(ctx, result, pin, lease_id, lease_deadline)
   return {result, ctx.now, '', '', '', '', lease_id or '', lease_deadline or ''}
 end
 
+-- routing.third_party_share: whether the identity may be admitted on pair p; the admission is
+-- recorded when it may. On an unlimited provider it may while its unlimited admissions stay within
+-- max share x its admissions + burst, this one counted in both; on any other provider, always.
+-- The member is the lease id: a replayed or retried admission never counts twice, and one retried
+-- onto an own provider leaves the unlimited count. Integers only (the share in millionths).
+local function share_admits(ctx, p, member)
+  local s = ctx.share
+  if not s then
+    return true
+  end
+  local since = ctx.now - s.window
+  redis.call('ZREMRANGEBYSCORE', s.all_key, '-inf', since)
+  redis.call('ZREMRANGEBYSCORE', s.unlimited_key, '-inf', since)
+  if s.unlimited[p.name] then
+    local all = redis.call('ZCARD', s.all_key) + (redis.call('ZSCORE', s.all_key, member) and 0 or 1)
+    local unlimited = redis.call('ZCARD', s.unlimited_key) + (redis.call('ZSCORE', s.unlimited_key, member) and 0 or 1)
+    if unlimited * 1000000 > s.max_ppm * all + s.burst * 1000000 then
+      return false
+    end
+    redis.call('ZADD', s.unlimited_key, ctx.now, member)
+    redis.call('PEXPIRE', s.unlimited_key, s.window)
+  else
+    redis.call('ZREM', s.unlimited_key, member)
+  end
+  redis.call('ZADD', s.all_key, ctx.now, member)
+  redis.call('PEXPIRE', s.all_key, s.window)
+  return true
+end
+
 -- An admission retried with the same lease id never admits twice: it gets the first answer back.
 local function replayed_admission(ctx, p, lease_id)
   local score = redis.call('ZSCORE', p.leases_key, lease_id)
@@ -264,6 +316,9 @@ local function admit_new_pin(ctx, p, lease_id, pin_id)
   if result ~= 'ADMITTED' then
     return reply(ctx, result, nil)
   end
+  if not share_admits(ctx, p, lease_id) then
+    return reply(ctx, 'THIRD_PARTY_SHARE_REACHED', nil)
+  end
   local pin, lease_deadline = create_pin(ctx, p, pin_id, lease_id)
   return reply(ctx, 'ADMITTED', pin, lease_id, lease_deadline)
 end
@@ -275,6 +330,9 @@ local function admit_on_pin(ctx, p, pin, lease_id)
   local result = capacity_result(ctx, p, session_in_flight, true, false)
   if result ~= 'ADMITTED' then
     return reply(ctx, result, pin)
+  end
+  if not share_admits(ctx, p, lease_id) then
+    return reply(ctx, 'THIRD_PARTY_SHARE_REACHED', pin)
   end
   return reply(ctx, 'ADMITTED', pin, lease_id, add_pinned_lease(ctx, p, pin, lease_id))
 end

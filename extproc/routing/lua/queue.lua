@@ -7,7 +7,7 @@
 -- reserved for pinned sessions ("1"/"0"), its tenant (a keyed hash of its identity), its ticket id
 -- ("" for none), the mode ("none": never queue; "join": queue when refused for slots; "wait": the
 -- ticket must exist), the class's max depth per pair, the wake-up channel.
--- KEYS after the providers' pins and leases: the model's tickets (zset: id -> deadline ms), its
+-- KEYS after the providers' pins and leases (and routing.third_party_share's two, when on): the model's tickets (zset: id -> deadline ms), its
 -- queue state (hash), its finish tags (zset), then per provider (in ARGV order) its queue and its
 -- reserved queue (zsets: ticket id -> score).
 --
@@ -28,11 +28,10 @@ local function exact(n)
   return string.format('%.0f', n)
 end
 
-queue_section = function(ctx, at, n)
+queue_section = function(ctx, at, n, base)
   if ARGV[at] ~= '1' then
     return at + 1
   end
-  local base = 4 + 2 * n
   local q = {
     lease = tonumber(ARGV[at + 1]),
     class = tonumber(ARGV[at + 2]),

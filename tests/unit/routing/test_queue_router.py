@@ -215,3 +215,32 @@ async def _positive(count) -> bool:
 
 async def _count_is(count, expected: int) -> bool:
     return await count == expected
+
+
+async def test_the_queue_and_the_third_party_share_work_together(redis_client, redis_url):
+    """Both options beyond the spec on at once: each script call carries the share's section and
+    keys before the queue's (lib.lua's read_context), so a request that waits is served by the
+    freed own slot and counted in its identity's share, and one whose wait runs out goes to the
+    third party only within its share (max_share 0: the cap refuses it, a 429 then)."""
+    settings = {"classes": [{"name": "interactive", "max_wait_ms": 5000}], "poll_ms": 100, "ticket_lease_ms": 1000}
+    config = parse_config(small_config_data(redis_url, routing={"queue": settings, "third_party_share": {"max_share": 0.0}}))
+    router = make_router(redis_client, config)
+    held = await fill_own_providers(router)
+    waiting = asyncio.create_task(router.execute_request(RoutingRequest("m", "chat", frozenset(), None, tenant="t", share_key="alice")))
+    assert await until(lambda: _positive(tickets(redis_client, router)))
+    await release(router, held[1])
+    decision = await waiting
+    assert decision.provider.name == "iris-1" and decision.lease is not None
+    keys = router.state.keys
+    assert await redis_client.zcard(keys.share_admissions("m", "alice")) == 1
+    assert await redis_client.zcard(keys.share_unlimited_admissions("m", "alice")) == 0
+    assert await queue_is_empty(redis_client, router)
+    short = parse_config(small_config_data(redis_url, routing={
+        "queue": {**settings, "classes": [{"name": "interactive", "max_wait_ms": 200}]}, "third_party_share": {"max_share": 0.0}}))
+    refused = await make_router(redis_client, short).execute_request(
+        RoutingRequest("m", "chat", frozenset(), None, tenant="t", share_key="alice"))
+    assert not isinstance(refused, Decision)  # the third party refused by the share: rejected
+    assert await redis_client.zcard(keys.share_unlimited_admissions("m", "alice")) == 0
+    assert await queue_is_empty(redis_client, router)
+    for decision_held in [*held[:1], *held[2:], decision]:
+        await release(router, decision_held)
