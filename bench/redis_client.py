@@ -25,12 +25,13 @@ from pathlib import Path
 
 from bench.common import MODEL, print_table, roomy_config
 from extproc.config import RedisSettings, parse_config
-from extproc.routing.state import RoutingState, new_id
+from extproc.routing.state import SHARE_OFF, RoutingState, new_id
 from extproc.storage.client import connect
 from extproc.storage.pipelined import Packed, PipelinedRedis, open_pipelined
 from irislab.processes import start_redis
 
 VARIANTS = ("redis-py", "pipelined", "pipelined+packed")
+QUEUE_OFF = "0"  # the admission queue's section when it is off (lua/queue.lua)
 
 
 class Shapes:
@@ -41,7 +42,8 @@ class Shapes:
         keys = state.keys
         self.session_keys = [keys.pin(MODEL, session), keys.session_leases(MODEL, session),
                              keys.session_earlier_leases(MODEL, session)]
-        model_keys, model_args = state._model_keys[MODEL], state._model_args[MODEL]
+        model_keys = state._model_keys[MODEL]
+        model_args = [*state._model_args[MODEL], *SHARE_OFF, QUEUE_OFF]  # the share and the queue off (lua/lib.lua)
         self.model_keys = [Packed(model_keys)] if packed else model_keys
         self.model_args = [Packed(model_args)] if packed else model_args
 

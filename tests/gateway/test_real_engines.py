@@ -104,11 +104,18 @@ def test_streamed_and_non_streamed_chat_through_the_openai_sdk(gateway):
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text and chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
     assert wait_for_no_leases(redis.Redis.from_url(gateway.redis_url), within_seconds=10) == 0
-    # The gateway counted exactly what the engine reported, from its JSON answer and its stream's last chunk.
-    after = tokens_counted(gateway)
+    # The gateway counted exactly what the engine reported, from its JSON answer and its stream's last
+    # chunk (counted when Envoy hands the server the body's end, which may come after the client
+    # read the last chunk: waited for, then checked not to grow further).
     reported = (answer.usage, chunks[-1].usage)
-    assert {kind: after.get(kind, 0) - before.get(kind, 0) for kind in ("input", "output")} == {
-        "input": sum(u.prompt_tokens for u in reported), "output": sum(u.completion_tokens for u in reported)}
+    expected = {"input": sum(u.prompt_tokens for u in reported), "output": sum(u.completion_tokens for u in reported)}
+
+    def counted() -> dict[str, float]:
+        after = tokens_counted(gateway)
+        return {kind: after.get(kind, 0) - before.get(kind, 0) for kind in ("input", "output")}
+
+    wait_until(lambda: counted() == expected, within_seconds=10)
+    assert counted() == expected
 
 
 def test_each_session_keeps_its_replica_and_meets_its_own_cache_there_only(gateway, engines):

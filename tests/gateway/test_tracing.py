@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from irislab.local_gateway import LocalGateway, ProviderSimulation
 from irislab.otlp_collector import OtlpCollector, ReceivedSpan
-from tests.support.gateway import MODEL, chat_body, gateway_config, post, provider_stats
+from tests.support.gateway import MODEL, chat_body, gateway_config, post, provider_stats, wait_until
 
 BOUND = 20.0  # seconds: a generous bound for a span to arrive (the batch processor exports every 0.1 s here)
 
@@ -163,10 +163,13 @@ def test_tokens_equal_the_usage_the_third_party_reported_streamed_or_not(gw):
     stats = provider_stats(gw, "tensorx")
     assert (stats["prompt_tokens"], stats["completion_tokens"]) == (
         sum(u["prompt_tokens"] for u in reported), sum(u["completion_tokens"] for u in reported))
-    assert delta(before, tokens(gw)) == {
+    expected = {
         ("iris_tokens_total", "tensorx", "input"): stats["prompt_tokens"],
         ("iris_tokens_total", "tensorx", "output"): stats["completion_tokens"],
     }
+    # Counted when Envoy hands the server the body's end, which may come after the client read it.
+    wait_until(lambda: delta(before, tokens(gw)) == expected, within_seconds=10)
+    assert delta(before, tokens(gw)) == expected
 
 
 def test_a_stream_without_usage_is_counted_as_unreported_and_own_answers_are_not_read(gw):
@@ -177,4 +180,6 @@ def test_a_stream_without_usage_is_counted_as_unreported_and_own_answers_are_not
     assert streamed.status_code == 200 and streamed.text.rstrip().endswith("data: [DONE]")
     own = post(gw, "/v1/chat/completions", user="frank", json=chat_body("served at home", max_tokens=4))
     assert own.status_code == 200 and own.headers["x-iris-provider"].startswith("iris-")
-    assert delta(before, tokens(gw)) == {("iris_usage_unreported_total", "tensorx", ""): 1}
+    expected = {("iris_usage_unreported_total", "tensorx", ""): 1}
+    wait_until(lambda: delta(before, tokens(gw)) == expected, within_seconds=10)
+    assert delta(before, tokens(gw)) == expected

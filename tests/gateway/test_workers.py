@@ -212,7 +212,7 @@ def test_a_taken_port_stops_the_start_naming_it(tmp_path):
         holder.bind(("127.0.0.1", first + 1))
         holder.listen()
         result = subprocess.run([sys.executable, "-m", "extproc.cli", "serve", "--config", str(config_path)], capture_output=True,
-                                text=True, timeout=60, env={**os.environ, "IRIS_SESSION_SECRET": "taken-port test"})
+                                text=True, timeout=60, env={**os.environ, "IRIS_SESSION_SECRET": secrets.token_hex(32)})
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert lines[-1] == (f"iris-extproc: cannot listen on 127.0.0.1:{first + 1} (Address already in use): 2 workers listen on "
