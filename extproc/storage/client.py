@@ -79,10 +79,10 @@ def open_redis(settings: RedisSettings, timeout_seconds: float | None = None) ->
 
     Raises ConfigError when `password_env` or `sentinel.password_env` names an unset variable."""
     timeout = settings.socket_timeout_seconds if timeout_seconds is None else timeout_seconds
-    password = _secret(settings.password_env, "redis.password_env")
+    password = secret_from_env(settings.password_env, "redis.password_env")
     if settings.cluster is not None:
         return RedisCluster(
-            startup_nodes=[ClusterNode(*_host_port(node)) for node in settings.cluster.nodes],
+            startup_nodes=[ClusterNode(*host_port(node)) for node in settings.cluster.nodes],
             username=settings.username,
             password=password,
             socket_timeout=timeout,
@@ -96,9 +96,9 @@ def open_redis(settings: RedisSettings, timeout_seconds: float | None = None) ->
         )
     if settings.sentinel is not None:
         common = {"socket_timeout": timeout, "socket_connect_timeout": timeout, **_tls(settings)}
-        sentinel_password = _secret(settings.sentinel.password_env, "redis.sentinel.password_env")
+        sentinel_password = secret_from_env(settings.sentinel.password_env, "redis.sentinel.password_env")
         sentinel = Sentinel(
-            [_host_port(node) for node in settings.sentinel.sentinels],
+            [host_port(node) for node in settings.sentinel.sentinels],
             min_other_sentinels=0,
             sentinel_kwargs={**common, "password": sentinel_password},
             username=settings.username,
@@ -192,7 +192,9 @@ class LuaScript:
         await redis.script_load(self.source)
 
 
-def _secret(env: str | None, field: str) -> str | None:
+def secret_from_env(env: str | None, field: str) -> str | None:
+    """The value of the environment variable `env` (None when `env` is None). Raises ConfigError,
+    naming the setting `field`, when the variable is unset or empty."""
     if env is None:
         return None
     value = os.environ.get(env)
@@ -201,7 +203,8 @@ def _secret(env: str | None, field: str) -> str | None:
     return value
 
 
-def _host_port(node: str) -> tuple[str, int]:
+def host_port(node: str) -> tuple[str, int]:
+    """`host:port` (IPv6 in brackets) as (host, port)."""
     host, port = node.rsplit(":", 1)
     return host.strip("[]"), int(port)
 

@@ -38,7 +38,6 @@ import asyncio
 import builtins
 import collections
 import dataclasses
-import os
 import ssl
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -60,7 +59,8 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from extproc.config import ConfigError, RedisSettings
+from extproc.config import RedisSettings
+from extproc.storage.client import host_port, secret_from_env
 
 MAX_REDIRECTIONS = 5
 """MOVED / ASK / TRYAGAIN replies followed per call before the last one is raised."""
@@ -831,17 +831,17 @@ def open_pipelined(
 
     Raises ConfigError when `password_env` or `sentinel.password_env` names an unset variable."""
     timeout = settings.socket_timeout_seconds if timeout_seconds is None else timeout_seconds
-    password = _secret(settings.password_env, "redis.password_env")
+    password = secret_from_env(settings.password_env, "redis.password_env")
     tls = _ssl_context(settings.tls_ca_file) if settings.tls else None
     common = {"timeout": timeout, "max_in_flight": max_in_flight or settings.max_connections, "stall_seconds": stall_seconds}
     if settings.cluster is not None:
         options = ConnectOptions(settings.username, password, 0, tls, timeout)
-        return PipelinedRedis(Cluster([_host_port(n) for n in settings.cluster.nodes], options), **common)
+        return PipelinedRedis(Cluster([host_port(n) for n in settings.cluster.nodes], options), **common)
     if settings.sentinel is not None:
         options = ConnectOptions(settings.username, password, 0, tls, timeout)
-        sentinel_password = _secret(settings.sentinel.password_env, "redis.sentinel.password_env")
+        sentinel_password = secret_from_env(settings.sentinel.password_env, "redis.sentinel.password_env")
         sentinel_options = ConnectOptions(None, sentinel_password, 0, tls, timeout)
-        topology = SentinelPrimary([_host_port(n) for n in settings.sentinel.sentinels],
+        topology = SentinelPrimary([host_port(n) for n in settings.sentinel.sentinels],
                                    settings.sentinel.service_name, options, sentinel_options)
         return PipelinedRedis(topology, **common)
     url = urlparse(settings.url)
@@ -859,16 +859,3 @@ def open_pipelined(
 def _ssl_context(ca_file: str | None) -> ssl.SSLContext:
     return ssl.create_default_context(cafile=ca_file)
 
-
-def _secret(env: str | None, field: str) -> str | None:
-    if env is None:
-        return None
-    value = os.environ.get(env)
-    if not value:
-        raise ConfigError("environment", [f"{field}: environment variable {env} is not set"])
-    return value
-
-
-def _host_port(node: str) -> tuple[str, int]:
-    host, port = node.rsplit(":", 1)
-    return host.strip("[]"), int(port)
