@@ -30,7 +30,7 @@ from pathlib import Path
 
 from bench.common import MODEL, print_table, roomy_config
 from extproc.config import RedisSettings, parse_config
-from extproc.routing.state import RoutingState, new_id
+from extproc.routing.state import SHARE_OFF, RoutingState, new_id
 from extproc.storage.client import connect
 from extproc.storage.pipelined import Packed, PipelinedRedis, open_pipelined
 from irislab.processes import start_redis
@@ -46,7 +46,9 @@ class Shapes:
         keys = state.keys
         self.session_keys = [keys.pin(MODEL, session), keys.session_leases(MODEL, session),
                              keys.session_earlier_leases(MODEL, session)]
-        model_keys, model_args = state._model_keys[MODEL], state._model_args[MODEL]
+        # The model's constants, then the share section off and the queue section off, as
+        # RoutingState._call lays them out (lua/lib.lua, lua/queue.lua).
+        model_keys, model_args = state._model_keys[MODEL], [*state._model_args[MODEL], *SHARE_OFF, "0"]
         self.model_keys = [Packed(model_keys)] if packed else model_keys
         self.model_args = [Packed(model_args)] if packed else model_args
 
