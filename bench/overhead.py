@@ -22,6 +22,10 @@ part of the added latency that the routing itself (rather than the ext_proc mess
 
     python -m bench.overhead --rates 50,200,500 --seconds 20 --json out/overhead.json --plot-dir docs
 
+`--hot-path-client redis-py` runs the gateway with `redis.hot_path_client: redis-py` (the routing
+scripts over redis-py's pool instead of the pipelined client, the default `pipelined`), to compare
+the two.
+
 `--workers 2` runs `serve` with `server.workers` 2 (each worker on its own port, an endpoint of
 Envoy's `extproc` cluster, which balances streams over them); the ext_proc CPU then sums the
 supervisor and its workers. `python -m bench.workers` reports requests/s per worker for 1 and 2.
@@ -79,6 +83,7 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     """Start every path over one upstream and run every load; returns the result document."""
     sims = {name: ZERO_DELAY for name in ("iris-1", "iris-2", "tensorx")}
     config = roomy_config()
+    config["redis"]["hot_path_client"] = args.hot_path_client
     peers, skipped = selected_peers(args.peers)
     for name, reason in skipped.items():
         print(f"skipping peer {name}: {reason}", flush=True)
@@ -293,6 +298,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--users", type=int, default=100, help="users (sessions) the requests come from")
     parser.add_argument("--warmup-requests", type=int, default=300)
     parser.add_argument("--workers", type=int, default=1, help="ext_proc worker processes (server.workers)")
+    parser.add_argument("--hot-path-client", choices=["pipelined", "redis-py"], default="pipelined",
+                        help="the gateway's redis.hot_path_client (the client of the routing scripts)")
     parser.add_argument("--envoy-concurrency", type=int, default=1, help="Envoy worker threads")
     parser.add_argument("--peers", default="all",
                         help=f"peers to measure too: all, none, or some of {','.join(p.name for p in PEERS)}")

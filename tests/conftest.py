@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import pytest
 
-from extproc.config import parse_config
+from extproc.config import RedisSettings, parse_config
 from extproc.routing.state import RoutingState, connect
+from extproc.storage.pipelined import open_pipelined
 from irislab.processes import start_redis
 from tests.support.configs import small_config_data
 
@@ -41,6 +42,19 @@ def small_config(redis_url):
     return parse_config(small_config_data(redis_url))
 
 
+@pytest.fixture(params=["redis-py", "pipelined"])
+async def hot_path(request, redis_url):
+    """The client the routing scripts go over (config `redis.hot_path_client`), each in turn:
+    None (redis-py, the `redis_client`) or the pipelined client (closed after the test)."""
+    if request.param == "redis-py":
+        yield None
+        return
+    client = open_pipelined(RedisSettings(url=redis_url), timeout_seconds=5)
+    yield client
+    await client.aclose()
+
+
 @pytest.fixture
-def state(redis_client, small_config) -> RoutingState:
-    return RoutingState(redis_client, small_config)
+def state(redis_client, small_config, hot_path) -> RoutingState:
+    """The routing state of `small_config`, its scripts over each `hot_path` client in turn."""
+    return RoutingState(redis_client, small_config, hot_path=hot_path)

@@ -477,7 +477,15 @@ class RedisSettings(_Strict):
     itself) authenticate to the data nodes of any topology; `tls` turns TLS on for cluster and
     sentinel (a standalone URL says it with `rediss://`), verified against `tls_ca_file` or the
     system's certificates. `durable_admissions` (off when None): WAIT for replicas after every
-    admission (DurableAdmissions)."""
+    admission (DurableAdmissions).
+
+    `hot_path_client`: the client the routing state's scripts (admissions, renewals, releases,
+    abandonments, the queue's) go over: `pipelined` (extproc.storage.pipelined: one pipelined
+    connection per node, a fraction of redis-py's CPU per call; at most `max_connections` calls
+    in flight, one more is refused at once with a 429) or `redis-py` (the connection pool; a
+    call waits up to `socket_timeout_seconds` for a free connection). Everything else (health,
+    degraded flags, registry, epoch, chains, fleet state) goes over redis-py either way
+    (docs/routing-state.md "Which client carries which call")."""
 
     url: Annotated[str, RESTART_ONLY] = Field(default="redis://127.0.0.1:6379/0", pattern=r"^rediss?://")
     cluster: Annotated[RedisClusterSettings | None, RESTART_ONLY] = None
@@ -495,6 +503,7 @@ class RedisSettings(_Strict):
     probe_interval_seconds: float = Field(default=0.5, gt=0)
     instance_heartbeat_seconds: Annotated[float, RESTART_ONLY] = Field(default=1.0, gt=0)
     durable_admissions: DurableAdmissions | None = None
+    hot_path_client: Annotated[Literal["pipelined", "redis-py"], RESTART_ONLY] = "pipelined"
     epoch_grace_seconds: float | None = Field(default=None, gt=0)
 
     @property

@@ -36,6 +36,7 @@ from extproc.routing.lease_table import LeaseTable
 from extproc.routing.outage import InstanceRegistry, OutagePolicy, RedisBreaker
 from extproc.routing.queue import Wakeups
 from extproc.storage.client import REDIS_FAILURES, open_redis
+from extproc.storage.pipelined import PipelinedRedis, open_pipelined
 from extproc.supervision import run_every
 
 log = logging.getLogger(__name__)
@@ -47,7 +48,9 @@ HEALTH_SERVICES = ("", EXT_PROC_SERVICE)
 
 
 class Gateway:
-    """The running server, wired in one place: the Redis client, the degraded flags, the live
+    """The running server, wired in one place: the Redis clients (redis-py, and the pipelined
+    hot-path client of the routing scripts unless `redis.hot_path_client` is `redis-py`: one
+    each per process, shared by every config a reload builds), the degraded flags, the live
     routing config, the lease table with its outage policy and breaker, the health monitor, the
     tracer (extproc.protocol.tracing, when tracing is on), the stream loop
     (extproc.protocol.stream) and the gRPC server with its health service. It is the
@@ -60,10 +63,11 @@ class Gateway:
         self.config = config
         self.listen = config.server.worker_listen(worker_index)
         self.redis = open_redis(config.redis)
+        self.hot_path = open_hot_path(config)
         self.secret = secret
         self.degraded = DegradedFlags(self.redis, config)
         self.wakeups = Wakeups()  # the admission queue's wake-ups (docs/queue.md), for every config
-        live = build_live(config, self.redis, self.degraded, secret, self.wakeups)
+        live = build_live(config, self.redis, self.degraded, secret, self.wakeups, self.hot_path)
         self.registry = InstanceRegistry(self.redis, config.redis.key_prefix, ttl_seconds=config.redis.instance_heartbeat_seconds * 5)
         self.registry.description = instance_description(config)  # what `iris-extproc status` shows without a file
         self.breaker = RedisBreaker(self.redis, config.redis.breaker_failures_in_a_row)
@@ -162,7 +166,7 @@ class Gateway:
         are reconfigured in place; the health monitor is replaced only when its checks changed;
         the metrics' fleet-state reader reads the new pairs. Raises CredentialError (nothing
         swapped)."""
-        live = build_live(new, self.redis, self.degraded, self.secret, self.wakeups)
+        live = build_live(new, self.redis, self.degraded, self.secret, self.wakeups, self.hot_path)
         old, self.config = self.config, new
         self.processor.apply(live)
         self.leases.reconfigure(new, live.state, live.router)
@@ -188,7 +192,7 @@ class Gateway:
         keep serving for `delay_seconds` (default `server.drain_delay_seconds`) while Envoy's
         health check takes this server out of rotation, then take no new stream and let open ones
         finish within `server.drain_grace_seconds` (both seconds), release what is left, close
-        Redis."""
+        the Redis clients."""
         self.draining = True
         settings = self.config.server
         delay = settings.drain_delay_seconds if delay_seconds is None else delay_seconds
@@ -208,7 +212,27 @@ class Gateway:
             await self.registry.leave()
         except REDIS_FAILURES:
             pass
+        if self.hot_path is not None:
+            await self.hot_path.aclose()
         await self.redis.aclose()
+
+
+HOT_PATH_CALLS_PER_CONNECTION = 8
+
+
+def open_hot_path(config: Config) -> PipelinedRedis | None:
+    """The client the routing scripts go over (config `redis.hot_path_client`): a PipelinedRedis
+    for `config.redis` (its deadline `socket_timeout_seconds`), or None for `redis-py` (they
+    share the redis-py client then). Nothing is contacted yet. Raises ConfigError when a password
+    variable is unset.
+
+    At most HOT_PATH_CALLS_PER_CONNECTION x `max_connections` calls wait on Redis at once; one
+    more is refused at once (429): where redis-py's pool lets a burst wait for a free connection,
+    one pipelined connection carries the whole burst, so the cap bounds a stalled Redis's backlog,
+    not an ordinary burst of arrivals."""
+    if config.redis.hot_path_client == "redis-py":
+        return None
+    return open_pipelined(config.redis, max_in_flight=HOT_PATH_CALLS_PER_CONNECTION * config.redis.max_connections)
 
 
 def _health_inputs(config: Config) -> tuple:

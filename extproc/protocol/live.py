@@ -19,6 +19,7 @@ from extproc.routing.degraded import DegradedFlags
 from extproc.routing.queue import Wakeups
 from extproc.routing.router import Router
 from extproc.routing.state import RoutingState
+from extproc.storage.pipelined import PipelinedRedis
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,11 +41,15 @@ class LiveConfig:
     responses_models: tuple[str, ...]  # the models some provider serves with `responses`: where a response id may live
 
 
-def build_live(config: Config, redis: Redis, degraded: DegradedFlags, secret: bytes, wakeups: Wakeups | None = None) -> LiveConfig:
+def build_live(
+    config: Config, redis: Redis, degraded: DegradedFlags, secret: bytes, wakeups: Wakeups | None = None,
+    hot_path: PipelinedRedis | None = None,
+) -> LiveConfig:
     """Everything a request needs from `config` (`secret`: the session secret; `wakeups`: the
-    process's admission-queue wake-ups, shared by every config). Raises
-    adaptation.CredentialError when an API key cannot be read."""
-    state = RoutingState(redis, config)
+    process's admission-queue wake-ups, shared by every config; `hot_path`: the process's
+    pipelined client for the routing scripts, shared by every config, None to run them over
+    `redis`). Raises adaptation.CredentialError when an API key cannot be read."""
+    state = RoutingState(redis, config, hot_path=hot_path)
     return LiveConfig(
         config, state, Router(config, state, degraded, wakeups), RequestAdapter(config), SessionKeys(config, secret),
         ResponseChains(redis, config, secret), frozenset(config.models()), msg.model_list_body(config.models(), int(time.time())),

@@ -5,6 +5,12 @@ this module only builds keys and arguments and decodes replies. Time is Redis `T
 milliseconds; tests may pass `now_ms` explicitly (production never does).
 
 Key names come from extproc.storage.keys.
+
+The scripts go over one of two clients (config `redis.hot_path_client`, docs/routing-state.md
+"Which client carries which call"): the hot-path client (extproc.storage.pipelined, one pipelined
+connection per node) when one is given, with the model's constant keys and arguments encoded
+once (`Packed`); else the redis-py client, which also carries everything else the gateway asks
+of Redis.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from extproc import metrics
 from extproc.config import Config, Provider, ProviderKind
 from extproc.storage.client import LuaScript, RedisClient, connect  # noqa: F401 (connect: re-exported)
 from extproc.storage.keys import Keyspace
+from extproc.storage.pipelined import Packed, PipelinedRedis
 
 NO_LIMIT = -1
 SHARE_OFF = [0, 0, 0, ""]  # the scripts' routing.third_party_share arguments when it does not apply (lua/lib.lua read_share)
@@ -188,16 +195,27 @@ def new_id() -> str:
 
 class RoutingState:
     """The spec's ROUTING_STATE over Redis. Every method is one atomic script call (one round
-    trip); NOSCRIPT after a restart, a failover or `SCRIPT FLUSH` is recovered by EVAL of the
-    script on the node that answered (extproc.redis_client.LuaScript).
+    trip), over the hot-path client when the state has one (`hot_path`), else over redis-py;
+    NOSCRIPT after a restart, a failover or `SCRIPT FLUSH` is recovered by EVAL of the script on
+    the node that answered (extproc.storage.client.LuaScript, PipelinedRedis.evalsha).
 
-    `now_ms` arguments are test-only. Raises redis.exceptions.RedisError on connection problems.
+    `now_ms` arguments are test-only. Raises redis.exceptions.RedisError on connection problems
+    (the hot-path client's errors are redis-py's classes; its in-flight cap is
+    extproc.storage.client.is_pool_exhausted, as redis-py's busy pool).
     """
 
-    def __init__(self, redis: RedisClient, config: Config, *, sources: Mapping[str, str] | None = None):
-        """`sources` (test-only) replaces the source of named scripts, for example with a
-        deliberately broken one in a mutation check."""
+    def __init__(
+        self, redis: RedisClient, config: Config, *, sources: Mapping[str, str] | None = None,
+        hot_path: PipelinedRedis | None = None, packed: bool = True,
+    ):
+        """`redis`: the redis-py client (SCRIPT LOAD, and every script when `hot_path` is None).
+        `hot_path`: the pipelined client every script call goes over when given (the caller owns
+        and closes it); `packed` (with `hot_path`): the model's constant keys and arguments are
+        encoded once, as Packed segments (False: per call, as redis-py does; bench.redis_client
+        compares both). `sources` (test-only) replaces the source of named scripts, for example
+        with a deliberately broken one in a mutation check."""
         self.redis = redis
+        self.hot_path = hot_path
         self.config = config
         self.keys = Keyspace(config.redis.key_prefix)
         sources = sources or {}
@@ -241,6 +259,7 @@ class RoutingState:
                 self._queue_default[model] = QueueArgs(
                     [c.name for c in queue.classes].index(default.name), default.use_reserved_slots, "", "", "none", default.max_depth
                 )
+        self._segments = _Segments(self, packed=hot_path is not None and packed)
 
     def queue_enabled(self, model: str) -> bool:
         """Whether the admission queue is on for `model` (some class may wait: docs/queue.md)."""
@@ -429,24 +448,33 @@ class RoutingState:
             self.keys.session_leases(model, session_id),
             self.keys.session_earlier_leases(model, session_id),
         ]
+        segments = self._segments
         queue_section: list[object] = ["0"]
         if with_providers:
-            keys += self._model_keys[model]
-            share_args = self._share_args.get(model) if share is not None else None
-            if share_args is not None:
+            keys += segments.model_keys[model]
+            shared = share is not None and model in self._share_args
+            if shared:
                 keys += [self.keys.share_admissions(model, share), self.keys.share_unlimited_admissions(model, share)]
             if script in QUEUE_SCRIPTS and model in self._queue_keys:
-                keys += self._queue_keys[model]
+                keys += segments.queue_keys[model]
                 queue_section = self._queue_section(model, queue or self._queue_default[model])
-            args = ["" if now_ms is None else now_ms, *self._model_args[model], *(share_args or SHARE_OFF), *queue_section, *op_args]
+            constants = segments.model_args_share[model] if shared else segments.model_args[model]
+            args = ["" if now_ms is None else now_ms, *constants, *queue_section, *op_args]
         else:
-            args = ["" if now_ms is None else now_ms, *self._timing, 0, *SHARE_OFF, *queue_section]
+            args = ["" if now_ms is None else now_ms, *segments.without_providers]
         keys += extra_keys
         if self._durable is None or script not in ADMITTING_SCRIPTS:
+            if self.hot_path is not None:
+                return await self.hot_path.evalsha(self._scripts[script], keys, args)
             return await self._scripts[script](self.redis, keys, args)
-        reply, acked = await self._scripts[script].call_and_wait(
-            self.redis, keys, args, self._durable.replicas, self._durable.timeout_ms
-        )
+        if self.hot_path is not None:
+            reply, acked = await self.hot_path.evalsha_and_wait(
+                self._scripts[script], keys, args, self._durable.replicas, self._durable.timeout_ms
+            )
+        else:
+            reply, acked = await self._scripts[script].call_and_wait(
+                self.redis, keys, args, self._durable.replicas, self._durable.timeout_ms
+            )
         if acked < self._durable.replicas and _text(reply[0]) == Result.ADMITTED.value:
             self._count_not_replicated(model, acked)
         return reply
@@ -474,6 +502,28 @@ class RoutingState:
             )
             self._not_replicated_logged_at = now
             self._not_replicated_since_log = 0
+
+
+class _Segments:
+    """The constant parts of a script call, per model, as they go into its keys and arguments:
+    lists of the values, or (`packed`) one Packed segment each, encoded once for every call.
+    `model_keys`: the providers' pins and leases keys; `model_args`: timings, provider count and
+    limits, then the share section off; `model_args_share`: the same with the share section of
+    routing.third_party_share (models it applies to); `queue_keys`: the admission queue's keys
+    (models it is on for); `without_providers`: the arguments of a call without providers
+    (get_pin) after `now`."""
+
+    def __init__(self, state: RoutingState, packed: bool):
+        segment = _packed if packed else list
+        self.model_keys = {m: segment(keys) for m, keys in state._model_keys.items()}
+        self.model_args = {m: segment([*args, *SHARE_OFF]) for m, args in state._model_args.items()}
+        self.model_args_share = {m: segment([*state._model_args[m], *share]) for m, share in state._share_args.items()}
+        self.queue_keys = {m: segment(keys) for m, keys in state._queue_keys.items()}
+        self.without_providers = segment([*state._timing, 0, *SHARE_OFF, "0"])
+
+
+def _packed(values: list[object]) -> list[object]:
+    return [Packed(values)]
 
 
 def _limits_args(config: Config, model: str, providers: list[Provider]) -> list[object]:

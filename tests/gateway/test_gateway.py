@@ -1,5 +1,7 @@
 """The gateway end to end: openai SDK -> real Envoy -> ext_proc server -> real Redis -> simulated
-providers. Limits are small (tests/support/gateway.py) so every path is reached."""
+providers. Limits are small (tests/support/gateway.py) so every path is reached. Every test runs
+twice: the routing scripts over the pipelined client (the default) and over redis-py
+(`redis.hot_path_client: redis-py`)."""
 
 from __future__ import annotations
 
@@ -24,9 +26,10 @@ from tests.support.gateway import (
 RELEASE_BOUND_SECONDS = 3.0
 
 
-@pytest.fixture(scope="module")
-def gateway(tmp_path_factory):
-    gw = start_gateway(tmp_path_factory.mktemp("gateway"))
+@pytest.fixture(scope="module", params=["pipelined", "redis-py"])
+def gateway(tmp_path_factory, request):
+    """The module's gateway, once with each client of the routing scripts (redis.hot_path_client)."""
+    gw = start_gateway(tmp_path_factory.mktemp("gateway"), redis={"key_prefix": "e2e", "hot_path_client": request.param})
     yield gw
     gw.stop()
 

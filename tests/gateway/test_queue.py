@@ -111,7 +111,8 @@ def tickets(gateway: LocalGateway, model: str = MODEL) -> int:
 
 def queued_users(gateway: LocalGateway, users: list[str], model: str) -> list[str]:
     """The users of the tickets in iris-1's queue of `model`, in the queue's order, read from Redis
-    (a ticket's tenant is the keyed hash of its identity: extproc.openai_api.sessions.tenant)."""
+    (a ticket's tenant is the first 16 characters of its identity's keyed hash:
+    extproc.openai_api.sessions.SessionKeys.tenant)."""
     client = redis.Redis.from_url(gateway.redis_url)
     by_tenant = {keyed_hash(gateway.secret.encode(), b"identity", f"trusted_header:{u}".encode())[:16]: u for u in users}
     order = []

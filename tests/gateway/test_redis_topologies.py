@@ -5,7 +5,9 @@ processes of the same redis-server binary (irislab.redis_topologies).
 Every script and every other command of the routing state runs unchanged on each topology (a
 command crossing slots fails in a cluster with CROSSSLOT); NOSCRIPT is recovered on whichever
 node answers; and a primary killed under load (long streams across the failover) leaves routing
-degraded only until the failover, with no hang, crash or leak. The failover tests print what they
+degraded only until the failover, with no hang, crash or leak. The routing scripts run over both
+of their clients (config `redis.hot_path_client`: redis-py, and the pipelined client the
+gateways of the failover tests use by default). The failover tests print what they
 measure: the provider-observed in-flight peak over the limit and how long routing was degraded."""
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from extproc.routing.degraded import DegradedFlags
 from extproc.routing.outage import InstanceRegistry
 from extproc.routing.state import PinMatch, Result, RoutingState, script_source
 from extproc.storage.client import LuaScript, open_redis
+from extproc.storage.pipelined import PipelinedRedis, open_pipelined
 from irislab.local_gateway import LocalGateway, ProviderSimulation
 from irislab.processes import start_redis
 from irislab.redis_topologies import SERVICE_NAME, LocalCluster, LocalSentinel
@@ -59,12 +62,25 @@ def many_models_config(redis_section: dict):
     return parse_config(data)
 
 
-async def exercise_everything(config) -> None:
-    """Every routing-state transition, the instance registry, degraded flags (set, refresh, the
-    pipelined forms), the fleet-state read and the passive window, on every model of `config`."""
+def hot_path_for(kind: str, config) -> PipelinedRedis | None:
+    """The routing scripts' client of `kind` (config `redis.hot_path_client`): None for redis-py."""
+    return None if kind == "redis-py" else open_pipelined(config.redis, timeout_seconds=5)
+
+
+async def close_both(client, hot_path: PipelinedRedis | None) -> None:
+    if hot_path is not None:
+        await hot_path.aclose()
+    await client.aclose()
+
+
+async def exercise_everything(config, client_kind: str) -> None:
+    """Every routing-state transition (its scripts over the client of `client_kind`), the instance
+    registry, degraded flags (set, refresh, the pipelined forms), the fleet-state read and the
+    passive window, on every model of `config`."""
     client = open_redis(config.redis, timeout_seconds=5)
+    hot_path = hot_path_for(client_kind, config)
     try:
-        state = RoutingState(client, config)
+        state = RoutingState(client, config, hot_path=hot_path)
         await state.load_scripts()
         for model in config.models():
             eligible = [p.name for p in config.providers_for(model)][:1]
@@ -102,14 +118,19 @@ async def exercise_everything(config) -> None:
         for provider, model in pairs:
             assert await monitor.record_failure(provider, model, "status 503") is False
     finally:
-        await client.aclose()
+        await close_both(client, hot_path)
 
 
-def test_cluster_runs_every_command_without_crossing_slots(cluster):
-    config = many_models_config({"key_prefix": "t", "cluster": {"nodes": cluster.seeds[:1]}})
-    owners = {cluster.primary_for(f"{{t:{model}}}").port for model in MODELS}
+CLIENT_KINDS = pytest.mark.parametrize("client_kind", ["redis-py", "pipelined"])
+
+
+@CLIENT_KINDS
+def test_cluster_runs_every_command_without_crossing_slots(cluster, client_kind):
+    prefix = f"t-{client_kind}"  # the cluster is the module's: each run its own keys
+    config = many_models_config({"key_prefix": prefix, "cluster": {"nodes": cluster.seeds[:1]}})
+    owners = {cluster.primary_for(f"{{{prefix}:{model}}}").port for model in MODELS}
     assert len(owners) >= 2, "the models should spread over several shards"
-    asyncio.run(exercise_everything(config))
+    asyncio.run(exercise_everything(config, client_kind))
 
 
 def test_cluster_time_comes_from_the_node_that_owns_the_key(cluster):
@@ -133,13 +154,16 @@ def test_cluster_time_comes_from_the_node_that_owns_the_key(cluster):
     assert abs(ours - owner) < 1000
 
 
-def test_cluster_recovers_noscript_on_the_node_that_answers(cluster):
-    config = many_models_config({"key_prefix": "t2", "cluster": {"nodes": cluster.seeds}})
+@CLIENT_KINDS
+def test_cluster_recovers_noscript_on_the_node_that_answers(cluster, client_kind):
+    prefix = f"t2-{client_kind}"
+    config = many_models_config({"key_prefix": prefix, "cluster": {"nodes": cluster.seeds}})
 
     async def run() -> None:
         client = open_redis(config.redis, timeout_seconds=5)
+        hot_path = hot_path_for(client_kind, config)
         try:
-            state = RoutingState(client, config)  # scripts never loaded: the first call of each meets NOSCRIPT
+            state = RoutingState(client, config, hot_path=hot_path)  # scripts never loaded: the first call of each meets NOSCRIPT
             for node in cluster.live_nodes():
                 cluster.client(node).script_flush()
             for model in MODELS:
@@ -151,19 +175,21 @@ def test_cluster_recovers_noscript_on_the_node_that_answers(cluster):
                 assert (await state.renew_request_lease((await state.try_admit_pinned_session_request(model, "s")).lease)).result \
                     is Result.RENEWED
         finally:
-            await client.aclose()
+            await close_both(client, hot_path)
 
     asyncio.run(run())
     sha = LuaScript(script_source("admit_pinned")).sha
     # The script is now cached on exactly the primaries that own a model's slot.
-    owners = {cluster.primary_for(f"{{t2:{model}}}").port for model in MODELS}
+    owners = {cluster.primary_for(f"{{{prefix}:{model}}}").port for model in MODELS}
     cached = {node.port for node in cluster.live_nodes() if cluster.client(node).script_exists(sha)[0]}
     assert owners <= cached
 
 
-def test_sentinel_runs_every_command(sentinel):
-    config = many_models_config({"key_prefix": "s", "sentinel": {"sentinels": sentinel.addresses, "service_name": SERVICE_NAME}})
-    asyncio.run(exercise_everything(config))
+@CLIENT_KINDS
+def test_sentinel_runs_every_command(sentinel, client_kind):
+    config = many_models_config({"key_prefix": f"s-{client_kind}", "sentinel": {"sentinels": sentinel.addresses,
+                                                                             "service_name": SERVICE_NAME}})
+    asyncio.run(exercise_everything(config, client_kind))
 
 
 def replica_zscore(port: int, key: str, member: str, cluster: bool) -> float | None:
@@ -177,15 +203,17 @@ def replica_zscore(port: int, key: str, member: str, cluster: bool) -> float | N
         client.close()
 
 
-def durable_admissions_land_on_replicas(config, replica_ports_for) -> None:
-    """With redis.durable_admissions every admission of every model is on a replica of the
-    primary owning the model's slot when it is answered, and none counts as not replicated."""
+def durable_admissions_land_on_replicas(config, replica_ports_for, client_kind: str) -> None:
+    """With redis.durable_admissions every admission of every model (its scripts over the client
+    of `client_kind`) is on a replica of the primary owning the model's slot when it is answered,
+    and none counts as not replicated."""
     before = metrics.ADMISSIONS_NOT_REPLICATED._value.get()
 
     async def run() -> None:
         client = open_redis(config.redis, timeout_seconds=5)
+        hot_path = hot_path_for(client_kind, config)
         try:
-            state = RoutingState(client, config)
+            state = RoutingState(client, config, hot_path=hot_path)
             await state.load_scripts()  # so that each admission is one EVALSHA and one WAIT (no NOSCRIPT retry)
             for model in MODELS:
                 pin, admission = await state.get_pin_and_try_admit(model, "durable", ["iris-1"])
@@ -195,14 +223,16 @@ def durable_admissions_land_on_replicas(config, replica_ports_for) -> None:
                 held = [replica_zscore(port, key, admission.lease.id, cluster) for port in replica_ports_for(key)]
                 assert held and all(score is not None for score in held), (model, held)
         finally:
-            await client.aclose()
+            await close_both(client, hot_path)
 
     asyncio.run(run())
     assert metrics.ADMISSIONS_NOT_REPLICATED._value.get() == before
 
 
-def test_cluster_durable_admissions_wait_on_the_node_owning_the_key(cluster):
-    config = many_models_config({"key_prefix": "t3", "cluster": {"nodes": cluster.seeds[:1]},
+@CLIENT_KINDS
+def test_cluster_durable_admissions_wait_on_the_node_owning_the_key(cluster, client_kind):
+    prefix = f"t3-{client_kind}"
+    config = many_models_config({"key_prefix": prefix, "cluster": {"nodes": cluster.seeds[:1]},
                                  "durable_admissions": {"replicas": 1, "timeout_ms": 400}})
     primaries = [node for node in cluster.live_nodes() if cluster.client(node).execute_command("ROLE")[0] == b"master"]
 
@@ -211,35 +241,39 @@ def test_cluster_durable_admissions_wait_on_the_node_owning_the_key(cluster):
                 for node in primaries}
 
     before = waits()
-    durable_admissions_land_on_replicas(config, lambda key: [r.port for r in cluster.replicas_of(cluster.primary_for(key))])
+    durable_admissions_land_on_replicas(config, lambda key: [r.port for r in cluster.replicas_of(cluster.primary_for(key))], client_kind)
     after = waits()
     # One WAIT per admission, each on the primary owning the model's slot (it counts that node's writes only).
     expected = {node.port: 0 for node in primaries}
     for model in MODELS:
-        expected[cluster.primary_for(f"{{t3:{model}}}").port] += 1
+        expected[cluster.primary_for(f"{{{prefix}:{model}}}").port] += 1
     assert {port: after[port] - before[port] for port in after} == expected
 
 
-def test_sentinel_durable_admissions(sentinel):
-    config = many_models_config({"key_prefix": "s3", "sentinel": {"sentinels": sentinel.addresses, "service_name": SERVICE_NAME},
+@CLIENT_KINDS
+def test_sentinel_durable_admissions(sentinel, client_kind):
+    config = many_models_config({"key_prefix": f"s3-{client_kind}", "sentinel": {"sentinels": sentinel.addresses, "service_name": SERVICE_NAME},
                                  "durable_admissions": {"replicas": 1, "timeout_ms": 400}})
-    durable_admissions_land_on_replicas(config, lambda key: [sentinel.replica.port])
+    durable_admissions_land_on_replicas(config, lambda key: [sentinel.replica.port], client_kind)
 
 
-def test_standalone_with_a_password(tmp_path, monkeypatch):
+@CLIENT_KINDS
+def test_standalone_with_a_password(tmp_path, monkeypatch, client_kind):
     server = start_redis(tmp_path, extra_args=["--requirepass", "s3cret-pass"])
     try:
         url = f"redis://127.0.0.1:{server.port}/0"
         monkeypatch.setenv("IRIS_TEST_REDIS_PASSWORD", "s3cret-pass")
-        asyncio.run(exercise_everything(many_models_config({"url": url, "key_prefix": "p", "password_env": "IRIS_TEST_REDIS_PASSWORD"})))
+        asyncio.run(exercise_everything(many_models_config({"url": url, "key_prefix": "p", "password_env": "IRIS_TEST_REDIS_PASSWORD"}),
+                                        client_kind))
         # Without it the server refuses; with an unset variable the client is never built.
         with pytest.raises(redis.AuthenticationError):
-            asyncio.run(exercise_everything(many_models_config({"url": url, "key_prefix": "p"})))
+            asyncio.run(exercise_everything(many_models_config({"url": url, "key_prefix": "p"}), client_kind))
         monkeypatch.delenv("IRIS_TEST_REDIS_PASSWORD")
         with pytest.raises(ConfigError, match="redis.password_env: environment variable IRIS_TEST_REDIS_PASSWORD is not set"):
             open_redis(many_models_config({"url": url, "password_env": "IRIS_TEST_REDIS_PASSWORD"}).redis)
         # A password in the URL works as well.
-        asyncio.run(exercise_everything(many_models_config({"url": f"redis://:s3cret-pass@127.0.0.1:{server.port}/0", "key_prefix": "q"})))
+        asyncio.run(exercise_everything(many_models_config({"url": f"redis://:s3cret-pass@127.0.0.1:{server.port}/0", "key_prefix": "q"}),
+                                        client_kind))
     finally:
         server.stop()
 

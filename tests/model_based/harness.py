@@ -20,6 +20,7 @@ import json
 import re
 from dataclasses import dataclass, field
 
+from extproc.config import RedisSettings
 from extproc.routing.router import Decision, Rejection
 from extproc.routing.state import (
     Admission,
@@ -30,6 +31,7 @@ from extproc.routing.state import (
     RoutingState,
     connect,
 )
+from extproc.storage.pipelined import PipelinedRedis, open_pipelined
 from tests.model_based.model import routing as R
 from tests.model_based.model import state as S
 
@@ -120,16 +122,24 @@ REQUESTS = [
 
 
 class Loop:
-    """One event loop and one Redis client for the whole module; the machine is synchronous."""
+    """One event loop and one Redis client for the whole module; the machine is synchronous.
+    `hot_path`: a pipelined client on the same Redis (config `redis.hot_path_client`), for the
+    machines whose routing scripts go over it."""
 
     def __init__(self, url: str):
         self.loop = asyncio.new_event_loop()
         self.redis = connect(url, timeout_seconds=10)
+        self.hot_path = open_pipelined(RedisSettings(url=url), timeout_seconds=10)
+
+    def client(self, kind: str) -> PipelinedRedis | None:
+        """The routing scripts' client of `kind`: "pipelined", or None for "redis-py"."""
+        return self.hot_path if kind == "pipelined" else None
 
     def run(self, coro):
         return self.loop.run_until_complete(coro)
 
     def close(self):
+        self.run(self.hot_path.aclose())
         self.run(self.redis.aclose())
         self.loop.close()
 

@@ -9,7 +9,9 @@ model's, Redis holds what the model holds, and the invariants of issue #4 hold
 (tests/model_based/harness.py). A fixed seed (derandomize) and enough examples hit every
 result name and every routing outcome; the test asserts it.
 
-The mutation check runs the same machine against each deliberately broken script of
+The differential run goes once with the scripts over redis-py and once over the pipelined
+hot-path client (config `redis.hot_path_client`, the model's constants packed). The mutation
+check runs the same machine against each deliberately broken script of
 tests/model_based/mutants and asserts that every one is caught.
 """
 
@@ -72,10 +74,12 @@ STEPS = [("ms", 1), ("ms", 500), ("ms", 1000), ("lease", -1), ("lease", 0), ("le
 
 
 class DifferentialMachine(RuleBasedStateMachine):
-    """Set `io` (a Loop) before running; `sources` replaces script sources (mutation check)."""
+    """Set `io` (a Loop) before running; `sources` replaces script sources (mutation check);
+    `client`: the routing scripts' client ("redis-py" or "pipelined")."""
 
     io: H.Loop = None
     sources: dict[str, str] | None = None
+    client = "redis-py"
     runs = 0  # examples started (the mutation check reports how many it took)
 
     def __init__(self):
@@ -104,8 +108,9 @@ class DifferentialMachine(RuleBasedStateMachine):
         config, other_config = CONFIGS[timing]
         self.config = config
         lease_ids = (f"R{i}" for i in itertools.count(1))
-        state = RoutingState(self.io.redis, config, sources=self.sources)
-        other = RoutingState(self.io.redis, other_config, sources=self.sources)
+        hot_path = self.io.client(self.client)
+        state = RoutingState(self.io.redis, config, sources=self.sources, hot_path=hot_path)
+        other = RoutingState(self.io.redis, other_config, sources=self.sources, hot_path=hot_path)
         self.real = H.Recorder(state, self.log, clock=lambda: self.now, lease_ids=lease_ids)
         self.other = H.Recorder(other, self.log, clock=lambda: self.now, proxy="other", lease_ids=lease_ids)
         self.flags = DegradedFlags(self.io.redis, config)
@@ -447,14 +452,15 @@ def machine_settings(examples: int, steps: int, **kw) -> settings:
     )
 
 
-def machine_for(io: H.Loop, sources: dict[str, str] | None = None) -> type[DifferentialMachine]:
-    return type("Machine", (DifferentialMachine,), {"io": io, "sources": sources})
+def machine_for(io: H.Loop, sources: dict[str, str] | None = None, client: str = "redis-py") -> type[DifferentialMachine]:
+    return type("Machine", (DifferentialMachine,), {"io": io, "sources": sources, "client": client})
 
 
-def test_scripts_match_the_model_and_every_result_name_is_hit(io):
+@pytest.mark.parametrize("client", ["redis-py", "pipelined"])
+def test_scripts_match_the_model_and_every_result_name_is_hit(io, client):
     H.SEEN.clear()
     H.OUTCOMES.clear()
-    run_state_machine_as_test(machine_for(io), settings=machine_settings(examples=EXAMPLES, steps=STEP_COUNT))
+    run_state_machine_as_test(machine_for(io, client=client), settings=machine_settings(examples=EXAMPLES, steps=STEP_COUNT))
     missing = H.ALL_RESULT_NAMES - H.SEEN
     assert not missing, f"result names never seen: {sorted(missing)}"
     # The admission queue's answers never come while it is off, as it is here (docs/queue.md), nor

@@ -50,13 +50,14 @@ REQUEST = st.tuples(st.sampled_from(H.REQUESTS), st.none() | st.sampled_from(SES
 
 class RouterMachine(RuleBasedStateMachine):
     io: H.Loop = None
+    client = "redis-py"  # the routing scripts' client: "redis-py" or "pipelined"
 
     def __init__(self):
         super().__init__()
         self.io.run(self.io.redis.flushall())
         self.started = time.monotonic()
         self.log: list[H.Entry] = []
-        self.recorder = H.Recorder(RoutingState(self.io.redis, CONFIG), self.log)
+        self.recorder = H.Recorder(RoutingState(self.io.redis, CONFIG, hot_path=self.io.client(self.client)), self.log)
         self.flags = DegradedFlags(self.io.redis, CONFIG)
         self.router = Router(CONFIG, self.recorder, self.flags)
         self.model = S.RoutingModel(CONFIG, PIN_MS, LEASE_MS)
@@ -131,9 +132,10 @@ def io(redis_server):
     loop.close()
 
 
-def test_concurrent_routing_matches_the_model(io):
+@pytest.mark.parametrize("client", ["redis-py", "pipelined"])
+def test_concurrent_routing_matches_the_model(io, client):
     H.OUTCOMES.clear()
-    machine = type("Machine", (RouterMachine,), {"io": io})
+    machine = type("Machine", (RouterMachine,), {"io": io, "client": client})
     run_state_machine_as_test(
         machine,
         settings=settings(

@@ -2,7 +2,9 @@
 runs this file on each). On 3.11 redis-py's send path can swallow a cancellation that lands while
 a command is sent (CPython gh-86296): the decision timeout, a lost lease ending its stream and
 the drain would then wait for Redis. Every Redis call a request's task awaits runs in a task of
-its own (extproc.storage.client.in_own_task). Redis is made to stall with CLIENT PAUSE WRITE."""
+its own (extproc.storage.client.in_own_task). The pipelined hot-path client (config
+`redis.hot_path_client`, extproc.storage.pipelined) has no `wait_for` in its send path: the
+decision timeout cuts its calls short too. Redis is made to stall with CLIENT PAUSE WRITE."""
 
 from __future__ import annotations
 
@@ -17,8 +19,9 @@ from extproc.routing.degraded import DegradedFlags
 from extproc.routing.lease_table import Held, LeaseTable
 from extproc.routing.outage import InstanceRegistry, OutagePolicy, RedisBreaker
 from extproc.routing.router import Router, RoutingRequest
-from extproc.routing.state import RoutingState
+from extproc.routing.state import Result, RoutingState
 from extproc.storage.client import in_own_task
+from extproc.storage.pipelined import open_pipelined
 from tests.support.configs import small_config_data
 
 PAUSE_MS = 3000
@@ -31,7 +34,7 @@ def paused(redis_url: str) -> redis.Redis:
     return client
 
 
-async def test_the_decision_timeout_cuts_decisions_short(redis_client, redis_url):
+async def test_the_decision_timeout_cuts_decisions_short(redis_client, redis_url, hot_path):
     """Forty decisions with a 0.3 ms bound, shorter than a Redis round trip: they time out and
     fall back to the outage policy (a new session to the unlimited tensorx). On 3.11 without a task
     of their own, the timeout's cancellation is swallowed in redis-py's send and every decision
@@ -42,7 +45,7 @@ async def test_the_decision_timeout_cuts_decisions_short(redis_client, redis_url
     limits = {"max_pinned_sessions": 100, "max_global_in_flight_request_slots": 100}
     data["providers"][0]["models"]["m"]["limits"] = limits
     config = parse_config(data)
-    state = RoutingState(redis_client, config)
+    state = RoutingState(redis_client, config, hot_path=hot_path)
     await state.load_scripts()
     router = Router(config, state, DegradedFlags(redis_client, config))
     breaker = RedisBreaker(redis_client, config.redis.breaker_failures_in_a_row)
@@ -78,6 +81,31 @@ async def test_a_cancelled_call_raises_at_once_and_still_lands(redis_client, red
             break
         await asyncio.sleep(0.01)
     assert await redis_client.get("written") == b"yes"  # the command itself ran on
+
+
+async def test_a_cancelled_script_call_on_the_pipelined_client_raises_at_once_and_still_lands(redis_client, redis_url, small_config):
+    """A routing script over the pipelined client, without a task of its own, cancelled while
+    Redis stalls: the caller gets CancelledError at once (Redis still paused), the script runs
+    when Redis resumes, and the connection's replies stay in order for the next call."""
+    hot_path = open_pipelined(small_config.redis, timeout_seconds=5)
+    state = RoutingState(redis_client, small_config, hot_path=hot_path)
+    try:
+        assert (await state.try_admit_request_without_pin("iris-1", "m", lease_id="warm")).result is Result.ADMITTED
+        unpause = paused(redis_url)
+        try:
+            call = asyncio.ensure_future(state.try_admit_request_without_pin("iris-1", "m", lease_id="cancelled"))
+            await asyncio.sleep(0.05)
+            call.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await call
+            leases = state.keys.provider_leases("m", "iris-1")
+            assert await redis_client.zscore(leases, "cancelled") is None  # cancelled while Redis still stalls
+        finally:
+            unpause.execute_command("CLIENT", "UNPAUSE")
+        assert (await state.try_admit_request_without_pin("iris-1", "m", lease_id="next")).lease.id == "next"
+        assert await redis_client.zscore(leases, "cancelled") is not None  # the script itself ran on
+    finally:
+        await hot_path.aclose()
 
 
 def test_this_python_is_one_the_package_supports():

@@ -15,6 +15,7 @@ from extproc import metrics
 from extproc.config import ConfigError, parse_config
 from extproc.routing.state import ADMITTING_SCRIPTS, CAPACITY_RESULTS, SCRIPT_NAMES, Result, RoutingState
 from extproc.storage.client import LuaScript, connect
+from extproc.storage.pipelined import open_pipelined
 from irislab.processes import start_redis
 from irislab.redis_topologies import start_replica
 from tests.support.configs import small_config_data
@@ -32,6 +33,16 @@ def replicated(tmp_path):
 def durable_config(url: str, timeout_ms: int = 50):
     return parse_config(small_config_data(url, redis={"url": url, "key_prefix": "d",
                                                       "durable_admissions": {"replicas": 1, "timeout_ms": timeout_ms}}))
+
+
+def hot_path_for(kind: str, config):
+    """The routing scripts' client of `kind` (config `redis.hot_path_client`): None for redis-py."""
+    return None if kind == "redis-py" else open_pipelined(config.redis, timeout_seconds=5)
+
+
+async def close(hot_path) -> None:
+    if hot_path is not None:
+        await hot_path.aclose()
 
 
 def not_replicated() -> float:
@@ -62,13 +73,15 @@ async def test_wait_answers_one_replica_on_the_connection_that_wrote(replicated)
     assert redis.Redis(host="127.0.0.1", port=replica.port).get("k") == b"w"
 
 
-async def test_admissions_are_on_the_replica_when_answered(replicated):
+@pytest.mark.parametrize("client_kind", ["redis-py", "pipelined"])
+async def test_admissions_are_on_the_replica_when_answered(replicated, client_kind):
     primary, replica = replicated
     config = durable_config(f"redis://127.0.0.1:{primary.port}/0", timeout_ms=400)
     client = connect(config.redis.url, timeout_seconds=5)
+    hot_path = hot_path_for(client_kind, config)
     before = not_replicated()
     try:
-        state = RoutingState(client, config)
+        state = RoutingState(client, config, hot_path=hot_path)
         pin, first = await state.get_pin_and_try_admit("m", "s1", ["iris-1"])
         assert first.result is Result.ADMITTED and on_replica(replica, state, first.lease)
         second = await state.try_admit_pinned_session_request("m", "s1")
@@ -84,18 +97,21 @@ async def test_admissions_are_on_the_replica_when_answered(replicated):
         assert (await state.try_admit_unpinned_session_request("iris-1", "m", "s2")).result is Result.ADMITTED
         assert (await state.try_admit_unpinned_session_request("iris-1", "m", "s3")).result in CAPACITY_RESULTS
     finally:
+        await close(hot_path)
         await client.aclose()
     assert not_replicated() == before
 
 
-async def test_with_the_replica_gone_admissions_stand_and_are_counted(replicated, caplog):
+@pytest.mark.parametrize("client_kind", ["redis-py", "pipelined"])
+async def test_with_the_replica_gone_admissions_stand_and_are_counted(replicated, caplog, client_kind):
     primary, replica = replicated
     config = durable_config(f"redis://127.0.0.1:{primary.port}/0", timeout_ms=50)
     client = connect(config.redis.url, timeout_seconds=5)
+    hot_path = hot_path_for(client_kind, config)
     replica.stop()
     before = not_replicated()
     try:
-        state = RoutingState(client, config)
+        state = RoutingState(client, config, hot_path=hot_path)
         with caplog.at_level(logging.WARNING, logger="extproc.routing.state"):
             first = await state.try_admit_unpinned_session_request("iris-1", "m", "s1")
             second = await state.try_admit_pinned_session_request("m", "s1")
@@ -106,6 +122,7 @@ async def test_with_the_replica_gone_admissions_stand_and_are_counted(replicated
         refused = await state.try_admit_unpinned_session_request("iris-1", "m", "s3")
         assert other.result is Result.ADMITTED and refused.result is Result.PIN_LIMIT_REACHED
     finally:
+        await close(hot_path)
         await client.aclose()
     assert not_replicated() - before == 3  # the refusal is not an admission
     warnings = [r for r in caplog.records if "not acknowledged" in r.getMessage()]

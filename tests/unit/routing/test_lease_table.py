@@ -1,10 +1,13 @@
 """The lease table (extproc.routing.lease_table) over a real Redis: renewal, release, loss only when
-Redis saw a lease expire, adoption when Redis lost it, abandonment, pool exhaustion."""
+Redis saw a lease expire, adoption when Redis lost it, abandonment, pool exhaustion (redis-py's
+pool, and the pipelined hot-path client's in-flight cap), the breaker. Tests taking `hot_path`
+run once with the routing scripts over redis-py and once over the pipelined client."""
 
 from __future__ import annotations
 
 import asyncio
 
+import pytest
 from prometheus_client import REGISTRY
 
 from extproc.config import parse_config
@@ -13,7 +16,8 @@ from extproc.routing.lease_table import Held, LeaseTable, Refusal
 from extproc.routing.outage import InstanceRegistry, OutagePolicy, RedisBreaker
 from extproc.routing.router import Router, RoutingRequest
 from extproc.routing.state import RoutingState, connect
-from irislab.processes import start_redis
+from extproc.storage.pipelined import open_pipelined
+from irislab.processes import free_port, start_redis
 from tests.support.configs import small_config_data
 
 
@@ -21,9 +25,11 @@ def chat(session: str | None) -> RoutingRequest:
     return RoutingRequest("m", "chat", frozenset(), session)
 
 
-def make_table(client, redis_url, **overrides) -> LeaseTable:
+def make_table(client, redis_url, hot_path=None, **overrides) -> LeaseTable:
+    """A started lease table over `client` (redis-py), its routing scripts over `hot_path` when
+    given (a PipelinedRedis), 0.3 s leases."""
     config = parse_config(small_config_data(redis_url, lease_timeout_seconds=0.3, **overrides))
-    state = RoutingState(client, config)
+    state = RoutingState(client, config, hot_path=hot_path)
     router = Router(config, state, DegradedFlags(client, config))
     registry = InstanceRegistry(client, config.redis.key_prefix)
     table = LeaseTable(config, state, router, OutagePolicy(config, router, registry), RedisBreaker(client, 3))
@@ -44,8 +50,8 @@ async def wait_for(predicate, seconds: float = 5.0) -> bool:
     return False
 
 
-async def test_renews_and_releases_once(redis_url, redis_client):
-    table = make_table(redis_client, redis_url)
+async def test_renews_and_releases_once(redis_url, redis_client, hot_path):
+    table = make_table(redis_client, redis_url, hot_path)
     await table.refresh_epoch()
     held = await table.decide(chat("s"))
     assert isinstance(held, Held)
@@ -58,8 +64,8 @@ async def test_renews_and_releases_once(redis_url, redis_client):
     assert await redis_client.zcard(table.state.keys.provider_leases("m", "iris-1")) == 0
 
 
-async def test_a_lease_redis_saw_expire_is_lost(redis_url, redis_client):
-    table = make_table(redis_client, redis_url)
+async def test_a_lease_redis_saw_expire_is_lost(redis_url, redis_client, hot_path):
+    table = make_table(redis_client, redis_url, hot_path)
     await table.refresh_epoch()
     held = await table.decide(chat("s"))
     seconds, _ = await redis_client.time()
@@ -69,8 +75,8 @@ async def test_a_lease_redis_saw_expire_is_lost(redis_url, redis_client):
     await table.drain()
 
 
-async def test_a_lease_redis_lost_is_adopted_and_its_request_keeps_running(redis_url, redis_client):
-    table = make_table(redis_client, redis_url)
+async def test_a_lease_redis_lost_is_adopted_and_its_request_keeps_running(redis_url, redis_client, hot_path):
+    table = make_table(redis_client, redis_url, hot_path)
     await table.refresh_epoch()
     held = await table.decide(chat("s"))
     await redis_client.flushall()  # as a restart without persistence would: the epoch goes too
@@ -83,7 +89,8 @@ async def test_a_lease_redis_lost_is_adopted_and_its_request_keeps_running(redis
     assert await live(redis_client, table) == 0
 
 
-async def test_a_decision_timed_out_on_a_stalled_redis_leaves_nothing_once_it_answers(tmp_path):
+@pytest.mark.parametrize("client_kind", ["redis-py", "pipelined"])
+async def test_a_decision_timed_out_on_a_stalled_redis_leaves_nothing_once_it_answers(tmp_path, client_kind):
     """Issue 10, item 1: the admissions sent to a Redis whose writes are paused (CLIENT PAUSE
     WRITE: the epoch read each decision makes first is answered, the admission script stalls)
     run when it resumes; the abandonment of their ids (queued when the decisions timed out into
@@ -91,8 +98,10 @@ async def test_a_decision_timed_out_on_a_stalled_redis_leaves_nothing_once_it_an
     process = start_redis(tmp_path)
     url = f"redis://127.0.0.1:{process.port}/0"
     redis = connect(url, timeout_seconds=0.2)
+    settings = {"url": url, "key_prefix": "t", "socket_timeout_seconds": 0.2}
+    hot_path = None if client_kind == "redis-py" else open_pipelined(parse_config(small_config_data(url, redis=settings)).redis)
     try:
-        table = make_table(redis, url, redis={"url": url, "key_prefix": "t", "socket_timeout_seconds": 0.2})
+        table = make_table(redis, url, hot_path, redis=settings)
         await table.refresh_epoch()
         abandoned_before = REGISTRY.get_sample_value("iris_decisions_abandoned_total") or 0
         control = connect(url, timeout_seconds=2.0)
@@ -112,15 +121,17 @@ async def test_a_decision_timed_out_on_a_stalled_redis_leaves_nothing_once_it_an
             table.end(held, succeeded=True)
         await table.drain()
     finally:
+        if hot_path is not None:
+            await hot_path.aclose()
         await redis.aclose()
         process.stop()
 
 
-async def test_an_admission_read_with_a_changed_epoch_keeps_nothing(redis_url, redis_client):
+async def test_an_admission_read_with_a_changed_epoch_keeps_nothing(redis_url, redis_client, hot_path):
     """The epoch is read alongside the admission, not before it: when that read finds Redis lost
     its state (here the epoch key is gone, as after a flush), what the admission wrote is
     abandoned and the decision follows the epoch grace (unlimited pairs only)."""
-    table = make_table(redis_client, redis_url)
+    table = make_table(redis_client, redis_url, hot_path)
     await table.refresh_epoch()
     await redis_client.delete(table._epoch_key)
     outcome = await table.decide(chat("s"))
@@ -148,6 +159,46 @@ async def test_pool_exhaustion_is_overload_and_keeps_the_breaker_closed(redis_ur
     await busy.aclose()
 
 
+async def test_the_pipelined_clients_in_flight_cap_is_overload_and_keeps_the_breaker_closed(redis_url, redis_client):
+    """The pipelined client refuses a call beyond `max_in_flight` at once (InFlightCapReached):
+    the decision answers 429 (Refusal.OVERLOADED), as redis-py's busy pool does, and the breaker
+    does not count it. A BLPOP on the client holds its one slot, and its connection, meanwhile."""
+    hot_path = open_pipelined(parse_config(small_config_data(redis_url)).redis, timeout_seconds=2, max_in_flight=1)
+    table = make_table(redis_client, redis_url, hot_path)
+    await table.refresh_epoch()
+    holding = asyncio.ensure_future(hot_path.execute("BLPOP", "nothing", 1))
+    await asyncio.sleep(0.05)
+    outcomes = [await table.decide(chat(f"s{i}")) for i in range(5)]
+    assert outcomes == [Refusal.OVERLOADED] * 5
+    assert not table.breaker.is_open
+    assert await holding is None
+    after = await table.decide(chat("after"))
+    assert isinstance(after, Held) and after.decision.provider.name == "iris-1"
+    table.end(after, succeeded=True)
+    await table.drain()
+    await hot_path.aclose()
+
+
+@pytest.mark.parametrize("client_kind", ["redis-py", "pipelined"])
+async def test_a_routing_state_that_fails_opens_the_breaker(redis_url, redis_client, client_kind):
+    """Decisions whose scripts cannot reach Redis (the client of the routing scripts points at a
+    closed port) are failures, not overload: each falls back to the outage policy (an unpinned
+    request to the unlimited tensorx), and the breaker opens after 3 in a row."""
+    dead = f"redis://127.0.0.1:{free_port()}/0"
+    if client_kind == "redis-py":
+        scripts_client, hot_path = connect(dead, timeout_seconds=0.2), None
+    else:
+        scripts_client, hot_path = redis_client, open_pipelined(parse_config(small_config_data(dead)).redis, timeout_seconds=0.2)
+    table = make_table(scripts_client, redis_url, hot_path)
+    outcomes = [await table.decide(chat(f"s{i}")) for i in range(3)]
+    assert all(isinstance(o, Held) and o.decision.provider.name == "tensorx" for o in outcomes)
+    assert table.breaker.is_open
+    for held in outcomes:
+        table.end(held, succeeded=True)
+    await table.drain()
+    await (hot_path or scripts_client).aclose()
+
+
 async def _is(awaitable, value) -> bool:
     return (await awaitable) == value
 
@@ -161,7 +212,6 @@ async def test_a_dead_shard_holds_up_no_other_abandonment_and_its_own_give_up(re
     until whatever they could have admitted has expired by itself (a lease timeout), and several
     are served at once: the abandonment of a live shard's lease is not queued behind them."""
     from extproc.routing.router import Ids
-    from irislab.processes import free_port
 
     table = make_table(redis_client, redis_url)
     table.retry_seconds = 0.05  # several retries within the lease timeout (0.3 s)

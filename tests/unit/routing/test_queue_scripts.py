@@ -26,8 +26,8 @@ QUEUE = {
 
 
 @pytest.fixture
-def qstate(redis_client, redis_url) -> RoutingState:
-    return RoutingState(redis_client, parse_config(small_config_data(redis_url, routing={"queue": QUEUE})))
+def qstate(redis_client, redis_url, hot_path) -> RoutingState:
+    return RoutingState(redis_client, parse_config(small_config_data(redis_url, routing={"queue": QUEUE})), hot_path=hot_path)
 
 
 def args(ticket: str = "", mode: str = "join", tenant: str = "a", rank: int = INTERACTIVE, reserved: bool | None = None) -> QueueArgs:

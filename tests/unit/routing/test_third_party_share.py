@@ -20,9 +20,9 @@ T0 = 1_000_000_000
 ADMITTED, REFUSED = Result.ADMITTED, Result.THIRD_PARTY_SHARE_REACHED
 
 
-def share_state(redis_client, redis_url, **share) -> RoutingState:
+def share_state(redis_client, redis_url, hot_path, **share) -> RoutingState:
     config = parse_config(small_config_data(redis_url, routing={"third_party_share": {"window_seconds": 3600, **share}}))
-    return RoutingState(redis_client, config)
+    return RoutingState(redis_client, config, hot_path=hot_path)
 
 
 async def counts(redis_client, state: RoutingState, identity: str, model: str = "m") -> tuple[int, int]:
@@ -39,8 +39,8 @@ async def own_admissions(state: RoutingState, identity: str, n: int) -> None:
         assert admission.result is ADMITTED
 
 
-async def test_unlimited_admissions_stop_exactly_at_the_share_under_concurrency(redis_client, redis_url):
-    state = share_state(redis_client, redis_url, max_share=0.5)
+async def test_unlimited_admissions_stop_exactly_at_the_share_under_concurrency(redis_client, redis_url, hot_path):
+    state = share_state(redis_client, redis_url, hot_path, max_share=0.5)
     await own_admissions(state, ALICE, 4)
     results = await asyncio.gather(*(
         state.try_admit_unpinned_session_request("tensorx", "m", f"s{i}", share=ALICE) for i in range(12)
@@ -53,8 +53,8 @@ async def test_unlimited_admissions_stop_exactly_at_the_share_under_concurrency(
     assert [await state.get_pin("m", s) for s in refused_sessions] == [None] * 8  # a refusal pins nothing
 
 
-async def test_one_identitys_share_leaves_anothers_alone(redis_client, redis_url):
-    state = share_state(redis_client, redis_url, max_share=0.5)
+async def test_one_identitys_share_leaves_anothers_alone(redis_client, redis_url, hot_path):
+    state = share_state(redis_client, redis_url, hot_path, max_share=0.5)
     await own_admissions(state, BOB, 2)
     alice = await state.try_admit_share("tensorx", "m", ALICE, lease_id=new_id())
     bobs = await asyncio.gather(*(state.try_admit_share("tensorx", "m", BOB, lease_id=new_id()) for _ in range(5)))
@@ -64,14 +64,14 @@ async def test_one_identitys_share_leaves_anothers_alone(redis_client, redis_url
     assert await counts(redis_client, state, BOB) == (4, 2)
 
 
-async def test_burst_lets_a_light_identity_overflow_that_many(redis_client, redis_url):
-    state = share_state(redis_client, redis_url, max_share=0.0, burst=2)
+async def test_burst_lets_a_light_identity_overflow_that_many(redis_client, redis_url, hot_path):
+    state = share_state(redis_client, redis_url, hot_path, max_share=0.0, burst=2)
     results = await asyncio.gather(*(state.try_admit_share("tensorx", "m", ALICE, lease_id=new_id()) for _ in range(6)))
     assert [r.value for r in results].count(ADMITTED.value) == 2
 
 
-async def test_a_replayed_admission_counts_once(redis_client, redis_url):
-    state = share_state(redis_client, redis_url, max_share=0.0, burst=1)
+async def test_a_replayed_admission_counts_once(redis_client, redis_url, hot_path):
+    state = share_state(redis_client, redis_url, hot_path, max_share=0.0, burst=1)
     lease = new_id()
     first = await state.try_admit_unpinned_session_request("tensorx", "m", "s", lease_id=lease, share=ALICE)
     again = await state.try_admit_unpinned_session_request("tensorx", "m", "s", lease_id=lease, share=ALICE)
@@ -80,8 +80,8 @@ async def test_a_replayed_admission_counts_once(redis_client, redis_url):
     assert (await state.try_admit_unpinned_session_request("tensorx", "m", "t", share=ALICE)).result is REFUSED
 
 
-async def test_an_admission_retried_onto_an_own_provider_leaves_the_unlimited_count(redis_client, redis_url):
-    state = share_state(redis_client, redis_url, max_share=0.0, burst=1)
+async def test_an_admission_retried_onto_an_own_provider_leaves_the_unlimited_count(redis_client, redis_url, hot_path):
+    state = share_state(redis_client, redis_url, hot_path, max_share=0.0, burst=1)
     lease = new_id()
     assert await state.try_admit_share("tensorx", "m", ALICE, lease_id=lease) is ADMITTED
     assert (await state.try_admit_request_without_pin("iris-1", "m", lease_id=lease, share=ALICE)).result is ADMITTED
@@ -89,15 +89,15 @@ async def test_an_admission_retried_onto_an_own_provider_leaves_the_unlimited_co
     assert await state.try_admit_share("tensorx", "m", ALICE, lease_id=new_id()) is ADMITTED
 
 
-async def test_the_window_forgets_older_admissions(redis_client, redis_url):
-    state = share_state(redis_client, redis_url, max_share=0.0, burst=1, window_seconds=60)
+async def test_the_window_forgets_older_admissions(redis_client, redis_url, hot_path):
+    state = share_state(redis_client, redis_url, hot_path, max_share=0.0, burst=1, window_seconds=60)
     assert await state.try_admit_share("tensorx", "m", ALICE, lease_id=new_id(), now_ms=T0) is ADMITTED
     assert await state.try_admit_share("tensorx", "m", ALICE, lease_id=new_id(), now_ms=T0 + 59_999) is REFUSED
     assert await state.try_admit_share("tensorx", "m", ALICE, lease_id=new_id(), now_ms=T0 + 60_000) is ADMITTED
 
 
-async def test_pinned_and_repinned_admissions_count_against_the_share(redis_client, redis_url):
-    state = share_state(redis_client, redis_url, max_share=0.0, burst=1)
+async def test_pinned_and_repinned_admissions_count_against_the_share(redis_client, redis_url, hot_path):
+    state = share_state(redis_client, redis_url, hot_path, max_share=0.0, burst=1)
     pinned = await state.try_admit_unpinned_session_request("tensorx", "m", "s", share=ALICE)
     assert pinned.result is ADMITTED
     on_pin = await state.try_admit_pinned_session_request("m", "s", share=ALICE)
@@ -123,8 +123,8 @@ def chat(session: str | None, identity: str = ALICE, model: str = "m") -> Routin
 
 
 @pytest.fixture
-def capped(redis_client, redis_url) -> Router:
-    state = share_state(redis_client, redis_url, max_share=0.0, burst=1)
+def capped(redis_client, redis_url, hot_path) -> Router:
+    state = share_state(redis_client, redis_url, hot_path, max_share=0.0, burst=1)
     return Router(state.config, state, DegradedFlags(redis_client, state.config))
 
 
