@@ -17,9 +17,9 @@ from extproc.config import RedisSettings
 from extproc.storage.client import REDIS_FAILURES, LuaScript
 from extproc.storage.pipelined import Packed, PipelinedRedis, open_pipelined
 from irislab.redis_topologies import LocalCluster
+from tests.support.pipelined_load import WRITE, Writers, until
 
 ECHO = LuaScript("return {redis.call('GET', KEYS[1]), ARGV[1], #KEYS}")
-WRITE = LuaScript("redis.call('SET', KEYS[1], ARGV[1]) return ARGV[1]")
 
 
 @pytest.fixture(scope="module")
@@ -127,29 +127,17 @@ async def test_a_primary_killed_mid_pipeline(doomed_cluster):
     try:
         await asyncio.gather(*(client.execute("SET", k, "0", key=k) for k in keys))
         victim = cluster.primary_for(victim_key)
-        outcomes: list[object] = []
-        stop = asyncio.Event()
-
-        async def writer(key: str) -> None:
-            while not stop.is_set():
-                try:
-                    outcomes.append(await client.evalsha(WRITE, [key], ["x"]))
-                except REDIS_FAILURES as exc:
-                    outcomes.append(exc)
-                    await asyncio.sleep(0.01)
-
-        writers = [asyncio.ensure_future(writer(k)) for k in keys for _ in range(4)]
-        await _until(lambda: len(outcomes) > 2000, "2000 calls answered before the kill")
+        writers = Writers(client, keys)
+        outcomes = writers.outcomes
+        await until(lambda: len(outcomes) > 2000, "2000 calls answered before the kill")
         assert client.in_flight > 0  # calls wait on every primary, the victim's too
         victim.stop()
-        failed = len([o for o in outcomes if isinstance(o, Exception)])
-        await _until(lambda: len([o for o in outcomes if isinstance(o, Exception)]) > failed, "calls failing")
+        failed = writers.failures()
+        await until(lambda: writers.failures() > failed, "calls failing")
         await asyncio.to_thread(cluster.wait_for_failover, victim_key, victim)
         answered = len(outcomes)
-        await _until(lambda: outcomes[answered:].count(b"x") > 1000, "calls succeeding after the failover", attempts=3000)
-        stop.set()
-        async with asyncio.timeout(60):  # the deadline of the calls is 30 s: none may hang near it
-            await asyncio.gather(*writers)
+        await until(lambda: outcomes[answered:].count(b"x") > 1000, "calls succeeding after the failover", attempts=3000)
+        await writers.stop(within_seconds=60)  # the deadline of the calls is 30 s: none may hang near it
         assert client.in_flight == 0
         assert all(o == b"x" or isinstance(o, REDIS_FAILURES) for o in outcomes)
         # Every key is served again, the dead primary's slot by its promoted replica.
@@ -158,11 +146,3 @@ async def test_a_primary_killed_mid_pipeline(doomed_cluster):
         assert client.topology.slots[key_slot(victim_key.encode())].port == promoted.port != victim.port
     finally:
         await client.aclose()
-
-
-async def _until(predicate, what: str, attempts: int = 1000) -> None:
-    for _ in range(attempts):
-        if predicate():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"{what}: never")

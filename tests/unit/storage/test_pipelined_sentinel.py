@@ -12,11 +12,10 @@ import pytest
 import redis
 
 from extproc.config import RedisSettings
-from extproc.storage.client import REDIS_FAILURES, LuaScript
+from extproc.storage.client import REDIS_FAILURES
 from extproc.storage.pipelined import PipelinedRedis, SentinelPrimary, open_pipelined
 from irislab.redis_topologies import SERVICE_NAME, LocalSentinel
-
-WRITE = LuaScript("redis.call('SET', KEYS[1], ARGV[1]) return ARGV[1]")
+from tests.support.pipelined_load import WRITE, Writers, until
 
 
 @pytest.fixture
@@ -33,14 +32,6 @@ def client_for(sentinel: LocalSentinel, **kwargs) -> PipelinedRedis:
 
 def direct(port: int) -> redis.Redis:
     return redis.Redis(host="127.0.0.1", port=port, socket_timeout=5)
-
-
-async def _until(predicate, what: str, attempts: int = 1000) -> None:
-    for _ in range(attempts):
-        if predicate():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"{what}: never")
 
 
 async def test_calls_reach_the_primary_and_wait_counts_the_replica(sentinel):
@@ -83,30 +74,18 @@ async def test_a_replica_where_the_primary_was_is_left_for_the_sentinels_primary
 async def test_the_primary_killed_mid_pipeline_fails_over(sentinel):
     client = client_for(sentinel, timeout_seconds=30.0, max_in_flight=10_000)
     keys = [f"s:{i}" for i in range(50)]
-    outcomes: list[object] = []
-    stop = asyncio.Event()
-
-    async def writer(key: str) -> None:
-        while not stop.is_set():
-            try:
-                outcomes.append(await client.evalsha(WRITE, [key], ["x"]))
-            except REDIS_FAILURES as exc:
-                outcomes.append(exc)
-                await asyncio.sleep(0.01)
-
     try:
         old = sentinel.primary
-        writers = [asyncio.ensure_future(writer(k)) for k in keys for _ in range(4)]
-        await _until(lambda: len(outcomes) > 2000, "2000 calls answered before the kill")
+        writers = Writers(client, keys)
+        outcomes = writers.outcomes
+        await until(lambda: len(outcomes) > 2000, "2000 calls answered before the kill")
         assert client.in_flight > 0  # calls wait on the primary
         old.stop()
-        await _until(lambda: any(isinstance(o, Exception) for o in outcomes), "calls failing")
+        await until(lambda: writers.failures() > 0, "calls failing")
         promoted = await asyncio.to_thread(sentinel.wait_for_failover)
         answered = len(outcomes)
-        await _until(lambda: outcomes[answered:].count(b"x") > 1000, "calls succeeding after the failover", attempts=3000)
-        stop.set()
-        async with asyncio.timeout(60):  # the calls' deadline is 30 s: none may hang near it
-            await asyncio.gather(*writers)
+        await until(lambda: outcomes[answered:].count(b"x") > 1000, "calls succeeding after the failover", attempts=3000)
+        await writers.stop(within_seconds=60)  # the calls' deadline is 30 s: none may hang near it
         assert client.in_flight == 0
         assert all(o == b"x" or isinstance(o, REDIS_FAILURES) for o in outcomes)
         assert client.topology.node.port == promoted.port != old.port
