@@ -346,19 +346,37 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
             if self.config.server.expose_routing_headers:
                 extra |= {"x-iris-provider": stream.lookup.provider.name, "x-iris-route-reason": LOOKUP_REASON}
         read_body, remove = None, None
-        reads_id = stream.decision is not None and stream.reads_response_id and not self.breaker.is_open
-        if (reads_id or stream.upstream_model is not None) and 200 <= stream.status < 300:  # its other headers count too
-            headers = msg.header_map(request.response_headers)
-            event_stream = headers.get("content-type", "").startswith("text/event-stream")
-            if not headers.get("content-encoding"):  # a compressed body is neither read nor rewritten
-                if reads_id:
-                    stream.reader = ResponseIdReader(event_stream)
-                if stream.upstream_model is not None:
-                    stream.rewriter = ModelNameRewriter(stream.upstream_model, stream.model, event_stream)
-                    remove = ["content-length"] if event_stream else None  # chunks may change length
-                read_body = "STREAMED" if event_stream else "BUFFERED"
-        read_body = self._read_usage(stream, request, read_body)
+        if 200 <= stream.status < 300:
+            read_body, remove = self._body_readers(stream, request)
         return msg.continue_response_headers(extra or None, read_body, remove)
+
+    def _body_readers(self, stream: StreamState, request: ProcessingRequest) -> tuple[str | None, list[str] | None]:
+        """For a 2xx answer: set up what reads or rewrites its body (the Responses id, the model
+        name, the token usage) and return (the body mode to ask Envoy for, headers to remove), or
+        (None, None) when none applies. A compressed body is neither read nor rewritten."""
+        reads_id = stream.decision is not None and stream.reads_response_id and not self.breaker.is_open
+        counts_usage = stream.decision is not None and self._counts_usage(stream.decision.provider)
+        if not (reads_id or counts_usage or stream.upstream_model is not None):
+            return None, None
+        headers = msg.header_map(request.response_headers)
+        if headers.get("content-encoding", "identity") not in ("", "identity"):
+            if counts_usage:
+                metrics.USAGE_UNREPORTED.labels(stream.decision.provider.name, stream.model).inc()
+            return None, None
+        event_stream = headers.get("content-type", "").startswith("text/event-stream")
+        remove = None
+        if reads_id:
+            stream.reader = ResponseIdReader(event_stream)
+        if stream.upstream_model is not None:
+            stream.rewriter = ModelNameRewriter(stream.upstream_model, stream.model, event_stream)
+            remove = ["content-length"] if event_stream else None  # chunks may change length
+        if counts_usage:
+            stream.usage = UsageReader()
+        # The usage alone is read chunk by chunk whatever the answer's size; the id and the
+        # rewrite take a JSON answer whole.
+        if reads_id or stream.upstream_model is not None:
+            return ("STREAMED" if event_stream else "BUFFERED"), remove
+        return "STREAMED", remove
 
     async def _on_lookup_answer(self, stream: StreamState) -> None:
         """A lookup's answer: after a delete the provider answered 2xx, the chain record goes too;
@@ -375,20 +393,6 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
             except REDIS_FAILURES as exc:
                 self.breaker.record_failure(exc)
                 log.warning("response chain not forgotten after a delete (redis): %s", exc)
-
-    def _read_usage(self, stream: StreamState, request: ProcessingRequest, read_body: str | None) -> str | None:
-        """The response body mode to ask for (`read_body`: the one asked so far): STREAMED when
-        the answer's token usage is counted (`token_usage.providers`, a 2xx), whatever its type
-        or size, read chunk by chunk (or the mode already asked for the response id or the model
-        name); a compressed answer is not read and counts as unreported."""
-        decision = stream.decision
-        if decision is None or not 200 <= (stream.status or 0) < 300 or not self._counts_usage(decision.provider):
-            return read_body
-        if msg.header_value(request.response_headers, "content-encoding") not in (None, "", "identity"):
-            metrics.USAGE_UNREPORTED.labels(decision.provider.name, stream.model).inc()
-            return read_body
-        stream.usage = UsageReader()
-        return read_body or "STREAMED"
 
     def _counts_usage(self, provider: Provider) -> bool:
         whose = self.config.token_usage.providers
@@ -412,7 +416,7 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
     async def _on_response_body(self, stream: StreamState, request: ProcessingRequest) -> ProcessingResponse:
         """A /v1/responses answer (record the response id once it is seen), an answer to rewrite
         (put the client's model name in place of the provider's) or one whose usage is counted
-        (`_read_usage`)."""
+        (`_body_readers`)."""
         chunk, end = request.response_body.body, request.response_body.end_of_stream
         if stream.usage is not None and not stream.usage.done:
             self._count_usage(stream, chunk, end)
