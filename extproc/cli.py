@@ -266,6 +266,7 @@ def _serve(args) -> int:
     from extproc.operations.ports import ListenError
     from extproc.operations.session_secret import SessionSecretError, session_secret
     from extproc.operations.workers import clear_stale_metrics, supervise, worker_command, worker_config
+    from extproc.protocol.tracing import TracingUnavailable, otlp_span_exporter
 
     config = load_config(args.config)
     if args.workers is not None and not 1 <= args.workers <= MAX_WORKERS:
@@ -279,6 +280,8 @@ def _serve(args) -> int:
         if args.envoy:
             check_pair(config, args.config, args.envoy)
         session_secret(config)
+        if config.tracing.otlp_endpoint is not None:
+            otlp_span_exporter()
         if workers > 1 and args.worker_index is None:
             command = worker_command(args.config, args.event_loop, args.log_level, workers, args.envoy, args.log_format)
             return supervise(command, [config.server.worker_listen(i) for i in range(workers)])
@@ -286,7 +289,7 @@ def _serve(args) -> int:
             clear_stale_metrics()
         run_event_loop(serve(config, config_path=args.config, envoy_path=args.envoy, adjust=adjust, worker_index=args.worker_index or 0),
                        args.event_loop)
-    except (SessionSecretError, CredentialError, PairDisagrees, ListenError) as exc:
+    except (SessionSecretError, CredentialError, PairDisagrees, ListenError, TracingUnavailable) as exc:
         print(f"iris-extproc: {exc}", file=sys.stderr)
         return 2
     return 0

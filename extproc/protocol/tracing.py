@@ -49,6 +49,12 @@ OPERATION_NAMES = {"chat": "chat", "completions": "text_completion", "embeddings
 PROVIDER_FLAVOUR = "openai"  # gen_ai.provider.name: every provider speaks OpenAI's API
 REJECTED = "rejected"
 CLOSE_WITHIN_SECONDS = 2.0  # the drain waits this long, at most, for the spans still queued to leave
+STALE_PROTO_ISSUE = "https://github.com/grpc/grpc/issues/42926"
+
+
+class TracingUnavailable(RuntimeError):
+    """Tracing is on but its OTLP exporter cannot be imported (the message says why and what fixes
+    it). `iris-extproc serve` refuses to start with it, as for a bad session secret."""
 
 
 def carrier(headers: dict[str, str]) -> dict[str, str] | None:
@@ -70,10 +76,9 @@ class RequestTracer:
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
         if exporter is None:
-            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-
+            exporter_class = otlp_span_exporter()
             endpoint = settings.otlp_endpoint
-            exporter = OTLPSpanExporter(endpoint=endpoint, insecure=endpoint.startswith("http://"))
+            exporter = exporter_class(endpoint=endpoint, insecure=endpoint.startswith("http://"))
         self._provider = TracerProvider(
             resource=Resource.create({"service.name": settings.service_name}),
             sampler=ParentBased(TraceIdRatioBased(settings.sample_ratio)),
@@ -154,6 +159,34 @@ class RequestTracer:
 
         threading.Thread(target=shut, name="tracing-shutdown", daemon=True).start()
         await asyncio.to_thread(done.wait, within_seconds)
+
+
+def otlp_span_exporter() -> type:
+    """The OTLP/gRPC span exporter's class. Raises TracingUnavailable when it cannot be imported.
+
+    The usual cause: xds-protos (the Envoy API types) ships an old copy of opentelemetry-proto's
+    modules at the same paths, and the one installed last owns the files; when xds-protos wins,
+    the exporter's `InstrumentationScope` import fails (grpc/grpc#42926). Reinstalling
+    opentelemetry-proto after everything else (`./dev` and the Dockerfile do) mends it."""
+    try:
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    except ImportError as exc:
+        advice = ""
+        if "opentelemetry.proto" in str(exc):
+            advice = (f"; xds-protos overwrote opentelemetry-proto's modules with an older copy ({STALE_PROTO_ISSUE}): "
+                      f"reinstall it last, pip install --force-reinstall --no-deps opentelemetry-proto=={_installed('opentelemetry-proto')}")
+        raise TracingUnavailable(f"tracing.otlp_endpoint is set but the OTLP exporter cannot be imported ({exc}){advice}") from None
+    return OTLPSpanExporter
+
+
+def _installed(distribution: str) -> str:
+    """The installed version of `distribution` ('<version>' when it is not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(distribution)
+    except PackageNotFoundError:
+        return "<version>"
 
 
 def start_tracing(settings: TracingSettings) -> RequestTracer | None:

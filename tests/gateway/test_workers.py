@@ -28,7 +28,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 
 from extproc.operations.gateway import HEALTH_SERVICES
 from irislab.local_gateway import LocalGateway, ProviderSimulation
-from irislab.processes import free_port, free_port_range, spawn, start_redis
+from irislab.processes import free_port_range, spawn, start_redis
 from tests.gateway.test_drain import extproc_hosts, health
 from tests.support.fleet import LoadPlan, run_load
 from tests.support.gateway import chat_body, gateway_config, live_leases, provider_stats, wait_until
@@ -115,7 +115,7 @@ def test_a_signal_during_start_up_stops_every_worker(tmp_path, signum):
     redis_server = start_redis(tmp_path / "redis")
     config = gateway_config(
         redis={"url": f"redis://127.0.0.1:{redis_server.port}/0", "key_prefix": "startup"},
-        server={"listen": f"127.0.0.1:{free_port()}", "drain_delay_seconds": 0, "drain_grace_seconds": 1},
+        server={"listen": f"127.0.0.1:{free_port_range(workers)}", "drain_delay_seconds": 0, "drain_grace_seconds": 1},
     )
     config_path = tmp_path / "routing.yaml"
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))

@@ -4,12 +4,19 @@ what reaches a third party, and sampling."""
 
 from __future__ import annotations
 
+import os
+import secrets
+import subprocess
+import sys
+from importlib.metadata import version
+
 import pytest
+import yaml
 
 from extproc.config import parse_config
 from extproc.protocol.tracing import RequestTracer, carrier, start_tracing
 from irislab.otlp_collector import OtlpCollector
-from tests.support.configs import small_config_data
+from tests.support.configs import ROOT, small_config_data
 
 CLIENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 
@@ -74,3 +81,28 @@ def test_a_trace_started_here_follows_the_sample_ratio_and_a_client_trace_its_fl
     (span,) = collector.spans()
     assert (span.trace_id, span.parent_span_id) == (CLIENT.split("-")[1], CLIENT.split("-")[2])
     assert (span.status, span.attributes["error.type"]) == ("ERROR", "incomplete")
+
+
+# What xds-protos leaves at opentelemetry-proto's paths when it is installed last: its common.proto
+# predates the InstrumentationLibrary -> InstrumentationScope rename (grpc/grpc#42926).
+STALE_PROTO = """
+import sys
+from opentelemetry.proto.common.v1 import common_pb2 as stale
+del stale.InstrumentationScope
+from extproc.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_serve_refuses_tracing_whose_exporter_meets_xds_protos_stale_copy(tmp_path):
+    config = tmp_path / "routing.yaml"
+    config.write_text(yaml.safe_dump(small_config_data("redis://127.0.0.1:1/0", server={"listen": "127.0.0.1:1"},
+                                                       tracing={"otlp_endpoint": "http://127.0.0.1:1"})))
+    env = {**os.environ, "IRIS_SESSION_SECRET": secrets.token_hex(32)}
+    result = subprocess.run([sys.executable, "-c", STALE_PROTO, "serve", "--config", str(config), "--workers", "2"],
+                            capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    assert result.returncode == 2 and result.stdout == ""
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("iris-extproc: tracing.otlp_endpoint is set but the OTLP exporter cannot be imported "
+                           "(cannot import name 'InstrumentationScope'")
+    assert line.endswith(f"reinstall it last, pip install --force-reinstall --no-deps opentelemetry-proto=={version('opentelemetry-proto')}")
