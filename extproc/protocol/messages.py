@@ -148,7 +148,8 @@ def route_to_cluster(
     (a clear without a header mutation in the same response is ignored: see the notes).
     A replaced `body` gets its content-length set in the same mutation, as Envoy requires.
     `metadata`: see `with_metadata`. Built for the call (its headers and metadata are the
-    request's), filled in place: the routing header's option is shared per cluster."""
+    request's), filled in place: the routing header's option is shared per cluster. A copy of
+    the routing header in `extra_headers` (or of content-length, with a `body`) is ignored."""
     response = ProcessingResponse()
     common = response.request_body.response
     common.clear_route_cache = True
