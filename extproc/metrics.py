@@ -23,6 +23,7 @@ import platform
 from importlib import metadata
 
 from prometheus_client import Counter, Gauge, Histogram, disable_created_metrics
+from prometheus_client.metrics import MetricWrapperBase
 
 disable_created_metrics()  # no `_created` series beside every counter: half the series, nothing lost
 if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):  # prometheus-client writes there from the first metric on
@@ -134,6 +135,22 @@ def _version(distribution: str) -> str:
 
 
 BUILD_INFO.labels(_version("iris-extproc"), platform.python_version(), _version("grpcio"), _version("redis")).set(1)
+
+
+_CHILDREN: dict[tuple[MetricWrapperBase, tuple[str, ...]], MetricWrapperBase] = {}
+
+
+def child(metric: MetricWrapperBase, *values: str) -> MetricWrapperBase:
+    """`metric.labels(*values)`, made once per label tuple and kept: prometheus-client validates
+    the values and takes a lock on every `labels` call (about 3 us), a dict lookup here does
+    not. For the per-request paths. The values must be bounded (configured names, fixed codes),
+    as every label value must be; no metric here is ever `remove`d or `clear`ed, which would
+    detach a kept child."""
+    key = (metric, values)
+    found = _CHILDREN.get(key)
+    if found is None:
+        found = _CHILDREN[key] = metric.labels(*values)
+    return found
 
 
 def model_label(model: str, configured: frozenset[str] | set[str]) -> str:

@@ -183,7 +183,7 @@ class LocalGateway(StartedTogether):
             except envoy_render.RenderError as exc:
                 raise GatewayConfigError(str(exc)) from None
         else:
-            template = self._with_stand_in_authentication(envoy_config.load_envoy_yaml(self.envoy_source))
+            template = self._as_configured(envoy_config.load_envoy_yaml(self.envoy_source))
             problems = envoy_check.check(self.config, template, str(self.envoy_source), addresses=False)
             if problems:
                 raise GatewayConfigError("; ".join(problems))
@@ -324,7 +324,7 @@ class LocalGateway(StartedTogether):
             bootstrap = self._rendered_bootstrap(listener_port, admin_port, cluster_ports)
         else:
             bootstrap = envoy_config.render(listener_port, admin_port, cluster_ports, source=self.envoy_source)
-        bootstrap = self._with_stand_in_authentication(bootstrap)
+        bootstrap = self._as_configured(bootstrap)
         envoy_path = envoy_config.write(bootstrap, self.work_dir / f"envoy-{index}.yaml")
         extprocs = []
         for name, (config_path, grpc_port, metrics_port) in zip(names, configs):
@@ -352,6 +352,19 @@ class LocalGateway(StartedTogether):
         _wait_until_up(envoy)
         config_path, _, metrics_port = configs[0]
         return Instance(index, envoy, extprocs[0], listener_port, admin_port, config_path, metrics_port, extprocs)
+
+    def _as_configured(self, bootstrap: dict[str, Any]) -> dict[str, Any]:
+        """`bootstrap` (modified in place) as this gateway's config needs it: when its ext_proc
+        filter forwards only some headers (`forward_rules`, as envoy/envoy.yaml does), the ones
+        this config reads, as `iris-extproc envoy-config` renders them
+        (envoy_render.forward_read_headers); then the stand-in authentication."""
+        if any(
+            "forward_rules" in (f.get("typed_config") or {})
+            for manager in envoy_check.connection_managers(bootstrap) for f in manager.get("http_filters") or []
+            if f.get("name") == envoy_check.EXT_PROC_FILTER
+        ):
+            envoy_render.forward_read_headers(bootstrap, self.config)
+        return self._with_stand_in_authentication(bootstrap)
 
     def _with_stand_in_authentication(self, bootstrap: dict[str, Any]) -> dict[str, Any]:
         """`bootstrap` with the lab's stand-in for an authenticating filter for each trusted

@@ -13,8 +13,10 @@ its `mutation_rules` let the server remove every `x-envoy-*` header it must remo
 (`adaptation.private_headers`, ...: Envoy ignores such a removal otherwise); with the admission
 queue on, its class header is removed early too and the filter's `message_timeout` outlasts the
 longest wait (docs/queue.md); each health-check and load URL points at the provider's own
-cluster (the same host and port when the cluster is STATIC). `check` answers one plain sentence
-per disagreement; an empty list means the pair agrees. Used by `iris-extproc check`, `serve
+cluster (the same host and port when the cluster is STATIC); when the ext_proc filter forwards
+only some headers (`forward_rules`), it forwards every header the server reads (`read_headers`:
+a session, identity or credential header it does not get is a signal silently lost). `check`
+answers one plain sentence per disagreement; an empty list means the pair agrees. Used by `iris-extproc check`, `serve
 --envoy`, `up` and the configuration reload.
 """
 
@@ -29,7 +31,7 @@ from urllib.parse import urlsplit
 import yaml
 
 from extproc.config import Affinity, Config, IdentitySource, Provider, ProviderKind
-from extproc.config.schema import ServerSettings
+from extproc.config.schema import ServerSettings, SessionSignal
 
 EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
 HCM_FILTER = "envoy.filters.network.http_connection_manager"
@@ -37,7 +39,6 @@ LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
 HASH_LB_POLICIES = frozenset({"RING_HASH", "MAGLEV"})
 HASH_LB_EXTENSIONS = ("envoy.load_balancing_policies.ring_hash", "envoy.load_balancing_policies.maglev")
 ENVOY_HEADER_PREFIX = "x-envoy-"  # Envoy's own headers: an ext_proc mutation needs mutation_rules to touch them
-
 
 class EnvoyConfigError(ValueError):
     """An Envoy configuration file that cannot be read or is not a YAML mapping."""
@@ -57,6 +58,41 @@ def load_bootstrap(path: str | os.PathLike[str]) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise EnvoyConfigError(f"the Envoy configuration {path} is not a YAML mapping")
     return data
+
+
+# The headers the ext_proc server reads whatever the config (extproc.protocol.stream and
+# extproc.protocol.tracing; tests/unit/config/test_forward_rules.py reads the code to keep this
+# whole), request then response. Envoy sends a header to the server only if the filter's
+# forward_rules allow it, pseudo-headers included; each direction has its own names.
+FIXED_READ_HEADERS = {
+    ":path": "the request's path", ":method": "the request's method", "content-length": "the request body's size",
+    "traceparent": "tracing", "tracestate": "tracing",
+    ":status": "the response's status", "content-type": "the response's type (events)",
+    "content-encoding": "the response's encoding",
+}
+
+
+def read_headers(config: Config) -> dict[str, str]:
+    """Every header name (lowercase) the ext_proc server reads under `config`, in both
+    directions, -> the setting (or purpose) it comes from: FIXED_READ_HEADERS; the trusted
+    identity headers and the client credential headers when `session.identity_sources` uses
+    them; the session and agent session headers when `session.signals` does; the admission
+    queue's class header when set (extproc.openai_api.sessions reads nothing else). What
+    Envoy's ext_proc filter must forward (`forward_rules.allowed_headers`); the rest it need not
+    serialize into every message."""
+    session = config.session
+    sources, signals = session.identity_sources, session.signals
+    named = {**FIXED_READ_HEADERS}
+    for setting, used, headers in (
+        ("session.trusted_identity_headers", IdentitySource.TRUSTED_HEADER in sources, session.trusted_identity_headers),
+        ("adaptation.client_credential_headers", IdentitySource.CREDENTIAL in sources, config.adaptation.client_credential_headers),
+        ("session.session_headers", SessionSignal.SESSION_HEADER in signals, session.session_headers),
+        ("session.agent_session_headers", SessionSignal.AGENT_HEADERS in signals, session.agent_session_headers),
+        ("routing.queue.class_header", True, [config.routing.queue.class_header] if config.routing.queue.class_header else []),
+    ):
+        for header in headers if used else []:
+            named.setdefault(header.lower(), setting)
+    return named
 
 
 def check(config: Config, bootstrap: dict[str, Any], envoy_name: str = "envoy.yaml", addresses: bool = True) -> list[str]:
@@ -86,6 +122,7 @@ def check(config: Config, bootstrap: dict[str, Any], envoy_name: str = "envoy.ya
         problems += _mutation_rule_problems(config, manager, envoy_name)
         problems += _mode_override_problems(manager, envoy_name)
         problems += _queue_problems(config, manager, envoy_name)
+        problems += _forwarding_problems(config, manager, envoy_name)
     if addresses:
         for provider in config.providers:
             cluster = clusters.get(provider.cluster)
@@ -290,6 +327,35 @@ def _mode_override_problems(manager: dict[str, Any], envoy_name: str) -> list[st
                 f"response_body_mode {' and '.join(missing)} (the rest as envoy/envoy.yaml's processing_mode)"
             )
     return problems
+
+
+def _forwarding_problems(config: Config, manager: dict[str, Any], envoy_name: str) -> list[str]:
+    """Each ext_proc filter forwards every header the server reads (read_headers): Envoy sends a
+    header when `forward_rules.allowed_headers` is empty or matches it, and no
+    `disallowed_headers` pattern does. A lost header is a lost signal, and nothing else says so."""
+    problems = []
+    for ext_proc in (_dict(f) for f in _list(manager.get("http_filters")) if _dict(f).get("name") == EXT_PROC_FILTER):
+        rules = _dict(_dict(ext_proc.get("typed_config")).get("forward_rules"))
+        allowed = _list(_dict(rules.get("allowed_headers")).get("patterns"))
+        disallowed = _list(_dict(rules.get("disallowed_headers")).get("patterns"))
+        for header, setting in read_headers(config).items():
+            if (allowed and not any(_string_match(p, header) for p in allowed)) or any(_string_match(p, header) for p in disallowed):
+                problems.append(
+                    f"{envoy_name}: the ext_proc filter's forward_rules do not forward {header!r} ({setting}), which the "
+                    "router reads (render the file with `iris-extproc envoy-config`, or add it to allowed_headers)"
+                )
+    return problems
+
+
+def _string_match(matcher: Any, value: str) -> bool:
+    """Envoy's StringMatcher (exact, prefix, suffix, contains, safe_regex; ignore_case) on `value`."""
+    matcher = _dict(matcher)
+    fold = _truthy(matcher.get("ignore_case"))
+    subject = value.lower() if fold else value
+    for kind, test in (("exact", str.__eq__), ("prefix", str.startswith), ("suffix", str.endswith), ("contains", str.__contains__)):
+        if isinstance(matcher.get(kind), str):
+            return test(subject, matcher[kind].lower() if fold else matcher[kind])
+    return _full_match(matcher.get("safe_regex"), value)
 
 
 def _mode(value: Any) -> dict[str, str]:

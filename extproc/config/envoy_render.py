@@ -7,6 +7,9 @@ routing config:
 - the ext_proc filter's cluster reaches `server.listen` and every worker's port (`server.workers`:
   worker i on listen's port + i), one endpoint each, over which the template's cluster balances
   streams (envoy/envoy.yaml: LEAST_REQUEST);
+- each ext_proc filter forwards only the headers the server reads (`forward_rules.allowed_headers`:
+  envoy_check.read_headers, the config's session, identity, credential and class headers
+  included), so Envoy does not serialize every other request and response header into each message;
 - the route's cluster_header is `server.routing_header` and hashes on `server.affinity_header`;
   the early header mutation removes both and the trusted identity headers (a client's own copies);
 - every provider with `endpoints` gets its cluster built from them: STATIC for IP addresses,
@@ -31,7 +34,7 @@ import ipaddress
 from typing import Any
 from urllib.parse import urlsplit
 
-from extproc.config.envoy_check import EXT_PROC_FILTER, HCM_FILTER
+from extproc.config.envoy_check import EXT_PROC_FILTER, HCM_FILTER, connection_managers, read_headers
 from extproc.config.schema import Affinity, Config, Provider, ProviderKind
 
 PROTOTYPE_KEYS = ("connect_timeout", "per_connection_buffer_limit_bytes", "typed_extension_protocol_options", "circuit_breakers")
@@ -59,6 +62,7 @@ def render(config: Config, template: dict[str, Any]) -> dict[str, Any]:
     for manager in managers:
         ext_proc_clusters |= _point_ext_proc(manager, clusters, config.server.listen, config.server.worker_ports())
         _set_route_headers(manager, config)
+    forward_read_headers(bootstrap, config)
     prototype = _provider_prototype(clusters, ext_proc_clusters)
     rendered: dict[str, dict[str, Any]] = {}
     for provider in config.providers:
@@ -72,6 +76,20 @@ def render(config: Config, template: dict[str, Any]) -> dict[str, Any]:
                     raise RenderError(f"provider {provider.name} has no endpoints and the template has no cluster {name!r}")
                 rendered[name] = clusters[name]
     resources["clusters"] = [clusters[name] for name in clusters if name in ext_proc_clusters] + list(rendered.values())
+    return bootstrap
+
+
+def forward_read_headers(bootstrap: dict[str, Any], config: Config) -> dict[str, Any]:
+    """`bootstrap` (modified in place and returned) with every ext_proc filter forwarding exactly
+    the headers the server reads under `config` (envoy_check.read_headers), as exact matches in
+    `forward_rules.allowed_headers` (Envoy applies them to request and response headers alike,
+    pseudo-headers included). A template's `disallowed_headers` are kept."""
+    patterns = [{"exact": header} for header in read_headers(config)]
+    for manager in connection_managers(bootstrap):
+        for http_filter in manager.get("http_filters") or []:
+            if http_filter.get("name") == EXT_PROC_FILTER:
+                rules = http_filter.setdefault("typed_config", {}).setdefault("forward_rules", {})
+                rules["allowed_headers"] = {"patterns": patterns}
     return bootstrap
 
 

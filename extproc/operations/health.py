@@ -174,7 +174,7 @@ class HealthMonitor:
         iris_upstream_failures_dropped_total. Anything else is ignored."""
         if status is None or status < 500 or not self.passive.enabled or provider.name not in self._managed:
             return
-        metrics.UPSTREAM_FAILURES.labels(provider.name, model).inc()
+        metrics.child(metrics.UPSTREAM_FAILURES, provider.name, model).inc()
         try:
             self._failures.put_nowait((provider.name, model, f"status {status}"))
         except asyncio.QueueFull:
@@ -199,7 +199,7 @@ class HealthMonitor:
         except REDIS_FAILURES as exc:
             log.warning("connect failure of %s %s not recorded: %s", provider.name, model, exc)
             return
-        metrics.DEGRADATIONS.labels(provider.name, CONNECT).inc()
+        metrics.child(metrics.DEGRADATIONS, provider.name, CONNECT).inc()
         log.warning("%s %s degraded for %g s: %s", provider.name, model, connect.ttl_seconds, reason)
 
     def succeeded(self, provider: Provider, model: str) -> None:
@@ -228,7 +228,7 @@ class HealthMonitor:
             log.warning("upstream failure of %s %s not recorded: %s", provider, model, exc)
             return False
         if degraded:
-            metrics.DEGRADATIONS.labels(provider, PASSIVE).inc()
+            metrics.child(metrics.DEGRADATIONS, provider, PASSIVE).inc()
             log.warning("%s %s degraded for %g s: %s", provider, model, passive.cooldown_seconds, reason)
             try:
                 await self.flags.refresh()  # this instance avoids it at once, not at the next tick
@@ -271,7 +271,7 @@ class _HealthCheckTask:
     async def step(self) -> None:
         check, streak, name = self.check, self.streak, self.provider.name
         ok, detail = await self.monitor._probe(check.url, self.url, check.timeout_seconds)
-        metrics.HEALTH_CHECKS.labels(name, "ok" if ok else "failed").inc()
+        metrics.child(metrics.HEALTH_CHECKS, name, "ok" if ok else "failed").inc()
         was_degraded = streak.degraded
         if not ok:
             self.last_failure = detail
@@ -284,7 +284,7 @@ class _HealthCheckTask:
                     reason = f"health: {detail} ({streak.failures} failures in a row)"
                 await self.monitor.flags.set_many(self.pairs, reason, self.ttl, HEALTH)
                 if not was_degraded:
-                    metrics.DEGRADATIONS.labels(name, HEALTH).inc()
+                    metrics.child(metrics.DEGRADATIONS, name, HEALTH).inc()
                     log.warning("%s degraded: %s", name, reason)
             elif was_degraded or self.must_clear:
                 self.must_clear = True
@@ -369,6 +369,6 @@ class _LoadGaugeTask:
         name = self.provider.name
         await self.monitor.flags.set(name, model, reason, self.ttl, LOAD)
         if not self.flagged.get(model):
-            metrics.DEGRADATIONS.labels(name, LOAD).inc()
+            metrics.child(metrics.DEGRADATIONS, name, LOAD).inc()
             log.warning("%s %s degraded: %s", name, model, reason)
         self.flagged[model] = True

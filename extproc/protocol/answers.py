@@ -21,7 +21,7 @@ from extproc.routing.router import Rejection, RejectionKind
 
 def request_error(exc: RequestError) -> ProcessingResponse:
     """A request refused before any routing: its own status and code."""
-    metrics.REJECTIONS.labels(exc.code, "").inc()  # before a configured model is known
+    metrics.child(metrics.REJECTIONS, exc.code, "").inc()  # before a configured model is known
     body = msg.openai_error_body(exc.message, exc.error_type, exc.code, exc.param)
     return msg.immediate_json(exc.status, body, metadata={"code": exc.code})
 
@@ -44,7 +44,7 @@ def models(method: str, path: str, model_list: bytes, configured: frozenset[str]
         raise RequestError(405, f"method {method[:20]!r} is not allowed here: use GET", "method_not_allowed")
     path = path.split("?", 1)[0].rstrip("/")
     if path == MODELS_PATH:
-        return msg.immediate_json(200, model_list)
+        return msg.immediate_json(200, model_list, fixed=True)
     model = path.removeprefix(MODELS_PATH + "/")
     if path.startswith(MODELS_PATH + "/") and model in configured:
         return msg.immediate_json(200, msg.model_body(model, model_list))
@@ -54,14 +54,14 @@ def models(method: str, path: str, model_list: bytes, configured: frozenset[str]
 def refusal(refused: Refusal, model_label: str, retry_after_seconds: int, decision_ms: float) -> ProcessingResponse:
     """The lease table refused to decide: 503 under fail_closed, 429 when this process's Redis
     connections are all busy (load: retry soon)."""
-    metrics.REJECTIONS.labels(refused.value, model_label).inc()
+    metrics.child(metrics.REJECTIONS, refused.value, model_label).inc()
     headers = {"retry-after": str(retry_after_seconds)}
     metadata = {"code": refused.value, "decision_ms": decision_ms}
     if refused is Refusal.OVERLOADED:
         body = msg.openai_error_body("the routing service is overloaded: retry shortly", "rate_limit_error", refused.value)
-        return msg.immediate_json(429, body, headers, metadata=metadata)
+        return msg.immediate_json(429, body, headers, metadata=metadata, fixed=True)
     body = msg.openai_error_body("the routing service is temporarily unavailable", "service_unavailable", refused.value)
-    return msg.immediate_json(503, body, headers, metadata=metadata)
+    return msg.immediate_json(503, body, headers, metadata=metadata, fixed=True)
 
 
 def chained_unavailable(
@@ -76,7 +76,7 @@ def chained_unavailable(
         "retry later, or start a new chain without previous_response_id"
     )
     code = "previous_response_unavailable"
-    metrics.REJECTIONS.labels(code, model_label).inc()
+    metrics.child(metrics.REJECTIONS, code, model_label).inc()
     status, error_type = (503, "service_unavailable") if degraded else (429, "rate_limit_error")
     body = msg.openai_error_body(message, error_type, code, "previous_response_id")
     headers = {"retry-after": str(retry_after_seconds)}
@@ -93,14 +93,14 @@ def routing_rejection(rejection: Rejection, model_label: str, retry_after_second
         status, error_type, code, param = 429, "rate_limit_error", "capacity_exceeded", None
     else:
         status, error_type, code, param = 503, "service_unavailable", "no_provider_available", None
-    metrics.REJECTIONS.labels(code, model_label).inc()
-    body = msg.openai_error_body(rejection.message, error_type, code, param)
-    return msg.immediate_json(status, body, headers, metadata={"code": code, "decision_ms": decision_ms})
+    metrics.child(metrics.REJECTIONS, code, model_label).inc()
+    body = msg.openai_error_body(rejection.message, error_type, code, param)  # its model is a configured one
+    return msg.immediate_json(status, body, headers, metadata={"code": code, "decision_ms": decision_ms}, fixed=True)
 
 
 def internal_error() -> ProcessingResponse:
     """The last resort's generic 500 (code internal_error): no internal text reaches the client."""
-    metrics.REJECTIONS.labels("internal_error", "").inc()
+    metrics.child(metrics.REJECTIONS, "internal_error", "").inc()
     return msg.internal_error()
 
 
@@ -115,7 +115,7 @@ def response_provider_gone(provider: str, retry_after_seconds: int) -> Processin
     """A stored response whose provider the configuration no longer routes to: 503
     `no_provider_available` with `retry-after` (the provider may come back with a reload)."""
     code = "no_provider_available"
-    metrics.REJECTIONS.labels(code, "").inc()
+    metrics.child(metrics.REJECTIONS, code, "").inc()
     message = f"the response is stored on provider {provider}, which this gateway does not route to now"
     body = msg.openai_error_body(message, "service_unavailable", code)
     return msg.immediate_json(503, body, {"retry-after": str(retry_after_seconds)}, metadata={"code": code})

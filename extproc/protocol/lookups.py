@@ -73,5 +73,5 @@ async def route_lookup(
     overwritten = {routing_header, *change.set_headers}  # set below, over any copy a client sent
     removed = [h for h in remove if h not in overwritten] + change.remove
     answer = msg.route_headers_to_cluster(routing_header, change.cluster, change.set_headers, removed, metadata)
-    metrics.RESPONSE_LOOKUPS.labels(lookup.action).inc()
+    metrics.child(metrics.RESPONSE_LOOKUPS, lookup.action).inc()
     return answer, RoutedLookup(lookup, provider, model, identity, upstream)

@@ -2,9 +2,17 @@
 
 Names follow Envoy's API: CommonResponse, HeaderMutation, ImmediateResponse. See
 envoy/service/ext_proc/v3/external_processor.proto.
+
+An answer that depends on nothing of the request, or only on a small bounded key (a provider's
+name, a route reason, a fixed error), is built once and the same message object is returned to
+every caller: the answers returned here are shared and must never be mutated (`with_metadata`
+is only ever applied to a message built for the call). Memoised builders are keyed by their
+whole content, so a config reload needs no invalidation: a new value is a new key.
 """
 
 from __future__ import annotations
+
+from functools import lru_cache
 
 import orjson
 from envoy.config.core.v3.base_pb2 import HeaderValue, HeaderValueOption
@@ -99,9 +107,22 @@ def header_mutation(set_headers: dict[str, str] | None = None, remove: list[str]
     )
 
 
+@lru_cache(maxsize=1024)
+def _header_option(key: str, value: str) -> HeaderValueOption:
+    """The option that overwrites header `key` with `value`, built once per pair (the routing
+    header and a cluster's name: bounded by the config). Shared: appended as a copy."""
+    return HeaderValueOption(header=HeaderValue(key=key, raw_value=value.encode()), append_action=_OVERWRITE)
+
+
 def continue_request_headers(remove: list[str]) -> ProcessingResponse:
-    """Let the request headers through, removing `remove` (the routing header a client may send)."""
-    common = CommonResponse(header_mutation=header_mutation(remove=remove)) if remove else CommonResponse()
+    """Let the request headers through, removing `remove` (the routing header a client may send).
+    Shared (built once per `remove`): never mutate it."""
+    return _continue_request_headers(tuple(remove))
+
+
+@lru_cache(maxsize=64)
+def _continue_request_headers(remove: tuple[str, ...]) -> ProcessingResponse:
+    common = CommonResponse(header_mutation=header_mutation(remove=list(remove))) if remove else CommonResponse()
     return ProcessingResponse(request_headers=HeadersResponse(response=common))
 
 
@@ -126,14 +147,33 @@ def route_to_cluster(
     cache in the same CommonResponse, so Envoy re-matches the route with `cluster_header`
     (a clear without a header mutation in the same response is ignored: see the notes).
     A replaced `body` gets its content-length set in the same mutation, as Envoy requires.
-    `metadata`: see `with_metadata`."""
-    headers = {routing_header: cluster, **(extra_headers or {})}
-    common = CommonResponse(clear_route_cache=True)
+    `metadata`: see `with_metadata`. Built for the call (its headers and metadata are the
+    request's), filled in place: the routing header's option is shared per cluster. A copy of
+    the routing header in `extra_headers` (or of content-length, with a `body`) is ignored."""
+    response = ProcessingResponse()
+    common = response.request_body.response
+    common.clear_route_cache = True
+    mutation = common.header_mutation
+    set_headers = mutation.set_headers
+    set_headers.append(_header_option(routing_header, cluster))
+    if extra_headers:
+        replaced = (routing_header, "content-length") if body is not None else (routing_header,)
+        for key, value in extra_headers.items():
+            if key not in replaced:
+                _add_header(set_headers, key, value)
     if body is not None:
-        headers["content-length"] = str(len(body))
+        _add_header(set_headers, "content-length", str(len(body)))
         common.body_mutation.body = body
-    common.header_mutation.CopyFrom(header_mutation(headers, remove))
-    return with_metadata(ProcessingResponse(request_body=BodyResponse(response=common)), metadata)
+    if remove:
+        mutation.remove_headers.extend(remove)
+    return with_metadata(response, metadata)
+
+
+def _add_header(set_headers, key: str, value: str) -> None:
+    option = set_headers.add()
+    option.header.key = key
+    option.header.raw_value = value.encode()
+    option.append_action = _OVERWRITE
 
 
 def route_headers_to_cluster(
@@ -154,7 +194,19 @@ def continue_response_headers(
     `read_body` ("BUFFERED" or "STREAMED") asks Envoy to send this response's body too, by a mode
     override that keeps every other phase as envoy/envoy.yaml configures it (and that its
     allowed_override_modes lists): only /v1/responses answers (extproc.openai_api.chains) and
-    answers whose model name is rewritten (extproc.openai_api.renaming) pay for that."""
+    answers whose model name is rewritten (extproc.openai_api.renaming) pay for that.
+    Shared (built once per distinct content: the extra headers are a provider's name and a
+    route reason, a retry-after): never mutate it."""
+    return _continue_response_headers(
+        tuple(extra_headers.items()) if extra_headers else (), read_body, tuple(remove) if remove else ()
+    )
+
+
+@lru_cache(maxsize=1024)
+def _continue_response_headers(
+    extra_headers: tuple[tuple[str, str], ...], read_body: str | None, remove: tuple[str, ...]
+) -> ProcessingResponse:
+    extra_headers, remove = dict(extra_headers), list(remove)
     mutated = extra_headers or remove
     common = CommonResponse(header_mutation=header_mutation(extra_headers, remove)) if mutated else CommonResponse()
     response = ProcessingResponse(response_headers=HeadersResponse(response=common))
@@ -175,31 +227,42 @@ def processing_mode(response_body_mode: str) -> ProcessingMode:
     )
 
 
+_CONTINUE_REQUEST_BODY = ProcessingResponse(request_body=BodyResponse(response=CommonResponse()))
+_CONTINUE_RESPONSE_BODY = ProcessingResponse(response_body=BodyResponse(response=CommonResponse()))
+_CONTINUE_REQUEST_TRAILERS = ProcessingResponse(request_trailers=TrailersResponse())
+_CONTINUE_RESPONSE_TRAILERS = ProcessingResponse(response_trailers=TrailersResponse())
+
+
 def continue_request_body() -> ProcessingResponse:
-    return ProcessingResponse(request_body=BodyResponse(response=CommonResponse()))
+    """Let the request body through unchanged. Shared: never mutate it."""
+    return _CONTINUE_REQUEST_BODY
 
 
 def continue_response_body(body: bytes | None = None, content_length: bool = False) -> ProcessingResponse:
     """Let a response body chunk through, replaced by `body` when given; `content_length`: set
     `content-length` to its length too (a BUFFERED body, whose headers Envoy still holds: a
-    length that no longer matches the body would fail the answer)."""
+    length that no longer matches the body would fail the answer). Without `body`: shared,
+    never mutate it."""
+    if body is None:
+        return _CONTINUE_RESPONSE_BODY
     common = CommonResponse()
-    if body is not None:
-        if body:
-            common.body_mutation.body = body
-        else:
-            common.body_mutation.clear_body = True
-        if content_length:
-            common.header_mutation.CopyFrom(header_mutation({"content-length": str(len(body))}))
+    if body:
+        common.body_mutation.body = body
+    else:
+        common.body_mutation.clear_body = True
+    if content_length:
+        common.header_mutation.CopyFrom(header_mutation({"content-length": str(len(body))}))
     return ProcessingResponse(response_body=BodyResponse(response=common))
 
 
 def continue_request_trailers() -> ProcessingResponse:
-    return ProcessingResponse(request_trailers=TrailersResponse())
+    """Shared: never mutate it."""
+    return _CONTINUE_REQUEST_TRAILERS
 
 
 def continue_response_trailers() -> ProcessingResponse:
-    return ProcessingResponse(response_trailers=TrailersResponse())
+    """Shared: never mutate it."""
+    return _CONTINUE_RESPONSE_TRAILERS
 
 
 def openai_error_body(message: str, error_type: str, code: str, param: str | None = None) -> bytes:
@@ -219,25 +282,34 @@ def model_body(model: str, model_list: bytes) -> bytes:
     return orjson.dumps(next(entry for entry in orjson.loads(model_list)["data"] if entry["id"] == model))
 
 
+@lru_cache(maxsize=1)
 def internal_error() -> ProcessingResponse:
-    """The generic 500 of the last-resort handler: nothing of the failure reaches the client."""
+    """The generic 500 of the last-resort handler: nothing of the failure reaches the client.
+    Shared (built once): never mutate it."""
     body = openai_error_body("the gateway failed to process the request", "server_error", "internal_error")
     return immediate_json(500, body, details="iris_internal_error")
 
 
 def immediate_json(
     status: int, body: bytes, headers: dict[str, str] | None = None, details: str = "iris_extproc",
-    metadata: dict[str, str | float] | None = None,
+    metadata: dict[str, str | float] | None = None, fixed: bool = False,
 ) -> ProcessingResponse:
     """An ImmediateResponse: Envoy answers the client with `status` and the JSON `body` without
     going upstream. `details` (Envoy's response code details) must start with "iris_": envoy.yaml's
-    local_reply_config leaves such replies untouched. `metadata`: see `with_metadata`."""
+    local_reply_config leaves such replies untouched. `metadata`: see `with_metadata`. `fixed`:
+    the status, body and headers come from a bounded set (a fixed error, a configured model's,
+    the model list of the config), so that part is built once per distinct content and copied;
+    never for a body that carries what a client sent."""
     all_headers = {"content-type": "application/json", **(headers or {})}
-    return with_metadata(ProcessingResponse(
-        immediate_response=ImmediateResponse(
-            status=HttpStatus(code=status),
-            headers=header_mutation(all_headers),
-            body=body,
-            details=details,
-        )
-    ), metadata)
+    if fixed:
+        response = ProcessingResponse(immediate_response=_immediate(status, body, tuple(all_headers.items()), details))
+    else:
+        response = ProcessingResponse(immediate_response=ImmediateResponse(
+            status=HttpStatus(code=status), headers=header_mutation(all_headers), body=body, details=details,
+        ))
+    return with_metadata(response, metadata)
+
+
+@lru_cache(maxsize=1024)
+def _immediate(status: int, body: bytes, headers: tuple[tuple[str, str], ...], details: str) -> ImmediateResponse:
+    return ImmediateResponse(status=HttpStatus(code=status), headers=header_mutation(dict(headers)), body=body, details=details)

@@ -111,6 +111,7 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
         self._chain_refreshes: set[asyncio.Task] = set()
         self._routing_header = live.config.server.routing_header  # restart-only: Envoy must agree
         self._client_may_not_send = [self._routing_header, live.config.server.affinity_header]
+        self._request_headers_answer = msg.continue_request_headers(remove=self._client_may_not_send)  # restart-only: built once
 
     def apply(self, live: LiveConfig) -> None:
         """Take a new live config: streams whose body arrives from now on decide with it."""
@@ -209,7 +210,7 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
             return answers.request_error(exc)
         except ValueError:
             return answers.request_error(RequestError(400, "invalid content-length", "invalid_header"))
-        return msg.continue_request_headers(remove=self._client_may_not_send)
+        return self._request_headers_answer
 
     async def _on_request_body(self, stream: StreamState, request: ProcessingRequest) -> ProcessingResponse:
         if stream.lookup is not None:  # routed with its headers
@@ -247,7 +248,7 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
         stream.held, stream.decision = outcome, outcome.decision
         outcome.on_lost = asyncio.current_task().cancel  # this stream's task: a lost lease cancels it
         decision = outcome.decision
-        metrics.DECISIONS.labels(decision.provider.name, decision.provider.kind.value, parsed.model, decision.reason.value).inc()
+        metrics.child(metrics.DECISIONS, decision.provider.name, decision.provider.kind.value, parsed.model, decision.reason.value).inc()
         stream.model = parsed.model
         if live.config.adaptation.restore_model_name:
             stream.upstream_model = live.adapter.upstream_model(decision.provider, parsed.model)
@@ -295,7 +296,7 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
         stream.reads_response_id = parsed.feature == "responses" and (
             stream.stores_response or not self.sessions.outranks_previous_response(key.signal)
         )
-        metrics.SESSION_SIGNALS.labels(key.signal.value if key.signal else "none").inc()
+        metrics.child(metrics.SESSION_SIGNALS, key.signal.value if key.signal else "none").inc()
         required = link.provider if link else None
         priority, tenant = None, ""
         queue = self.live.router.queue
@@ -361,7 +362,7 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
         headers = msg.header_map(request.response_headers)
         if headers.get("content-encoding", "identity") not in ("", "identity"):
             if counts_usage:
-                metrics.USAGE_UNREPORTED.labels(stream.decision.provider.name, stream.model).inc()
+                metrics.child(metrics.USAGE_UNREPORTED, stream.decision.provider.name, stream.model).inc()
             return None, None
         event_stream = headers.get("content-type", "").startswith("text/event-stream")
         remove = None
@@ -405,11 +406,11 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
             return
         usage, provider = stream.usage.usage, stream.decision.provider
         if usage is None:
-            metrics.USAGE_UNREPORTED.labels(provider.name, stream.model).inc()
+            metrics.child(metrics.USAGE_UNREPORTED, provider.name, stream.model).inc()
             return
         kind = provider.kind.value
-        metrics.TOKENS.labels(provider.name, kind, stream.model, "input").inc(usage.input_tokens)
-        metrics.TOKENS.labels(provider.name, kind, stream.model, "output").inc(usage.output_tokens)
+        metrics.child(metrics.TOKENS, provider.name, kind, stream.model, "input").inc(usage.input_tokens)
+        metrics.child(metrics.TOKENS, provider.name, kind, stream.model, "output").inc(usage.output_tokens)
         if stream.span is not None:
             self.tracer.usage(stream.span, usage.input_tokens, usage.output_tokens)
 

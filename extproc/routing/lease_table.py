@@ -210,7 +210,7 @@ class LeaseTable:
             self._abandon(request, ids, state, admission)
             if is_pool_exhausted(exc):
                 return Refusal.OVERLOADED
-            metrics.REDIS_ERRORS.labels("decision").inc()
+            metrics.child(metrics.REDIS_ERRORS, "decision").inc()
             self.breaker.record_failure(exc)
             return self._decide_locally(request, state)
         except BaseException:
@@ -291,7 +291,7 @@ class LeaseTable:
                 await (held.state or self.state).release_request_lease(held.lease, refresh_pin=refresh)
                 return
             except REDIS_FAILURES as exc:
-                metrics.REDIS_ERRORS.labels("release").inc()
+                metrics.child(metrics.REDIS_ERRORS, "release").inc()
                 if time.monotonic() + self.retry_seconds >= give_up_at:
                     log.warning("lease %s not released, it expires by itself: %s", held.lease.id, exc)
                     return
@@ -371,27 +371,27 @@ class LeaseTable:
         try:
             update = await (held.state or self.state).renew_request_lease(held.lease)
         except REDIS_FAILURES as exc:
-            metrics.REDIS_ERRORS.labels("renew").inc()
-            metrics.LEASE_RENEWALS.labels("failed").inc()
+            metrics.child(metrics.REDIS_ERRORS, "renew").inc()
+            metrics.child(metrics.LEASE_RENEWALS, "failed").inc()
             held.unconfirmed = True
             self.breaker.record_failure(exc)
             log.warning("lease renewal failed, the request keeps running: %s", exc)
             return True
         if update.result is Result.RENEWED:
-            metrics.LEASE_RENEWALS.labels("renewed").inc()
+            metrics.child(metrics.LEASE_RENEWALS, "renewed").inc()
             held.unconfirmed, held.confirmed_at = False, renewed_at
             return True
         # A renewal that reached Redis a whole lease timeout after the last one Redis answered (a
         # Redis or a network stalled in between) did not reach it in time: like a failed one.
         late = time.monotonic() - held.confirmed_at > self._lease_timeout(held)
         if held.unconfirmed or late or await self._redis_lost_state(held):
-            metrics.LEASE_RENEWALS.labels("adopted").inc()
+            metrics.child(metrics.LEASE_RENEWALS, "adopted").inc()
             try:
                 await self._adopt(held)
             except REDIS_FAILURES:
                 held.unconfirmed = True
             return True
-        metrics.LEASE_RENEWALS.labels("lost").inc()
+        metrics.child(metrics.LEASE_RENEWALS, "lost").inc()
         return False
 
     async def _redis_lost_state(self, held: Held) -> bool:

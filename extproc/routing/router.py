@@ -424,7 +424,7 @@ class Router:
             ticket.joined = False
         elif admission.result in (Result.GLOBAL_IN_FLIGHT_REQUEST_LIMIT_REACHED, Result.UNRESERVED_IN_FLIGHT_REQUEST_LIMIT_REACHED):
             if not waiting and ticket.remaining > 0 and not ticket.timed_out and not self.wakeups.closing:
-                metrics.QUEUE_SHED.labels(ticket.model, ticket.priority).inc()
+                metrics.child(metrics.QUEUE_SHED, ticket.model, ticket.priority).inc()
 
     async def _wait_for_slot(self, ticket: Ticket, waiting: list[Provider], attempt) -> tuple[Provider, Admission] | None:
         """Wait for a slot of one of `waiting` (the managed providers whose queue holds the
@@ -494,7 +494,7 @@ class Router:
         """Whether `admission` refused a new pin because of max_pinned_sessions_unlimited."""
         capped = admission.result is Result.PIN_LIMIT_REACHED and self.config.pin_limit(provider, model)[1]
         if capped:
-            metrics.PIN_CAP_REACHED.labels(provider.name, provider.kind.value, model).inc()
+            metrics.child(metrics.PIN_CAP_REACHED, provider.name, provider.kind.value, model).inc()
         return capped
 
     def _supports(self, provider: Provider, request: RoutingRequest) -> bool:
@@ -540,17 +540,17 @@ def _count_wait(ticket: Ticket) -> None:
         return
     seconds = time.monotonic() - ticket.began
     if ticket.admitted_after_wait is not None:
-        metrics.QUEUE_WAIT_SECONDS.labels(ticket.admitted_after_wait, ticket.model, ticket.priority, "admitted").observe(seconds)
-        metrics.QUEUE_OFFLOADS_AVOIDED.labels(ticket.admitted_after_wait, ticket.model, ticket.priority).inc()
+        metrics.child(metrics.QUEUE_WAIT_SECONDS, ticket.admitted_after_wait, ticket.model, ticket.priority, "admitted").observe(seconds)
+        metrics.child(metrics.QUEUE_OFFLOADS_AVOIDED, ticket.admitted_after_wait, ticket.model, ticket.priority).inc()
     elif ticket.timed_out:
-        metrics.QUEUE_WAIT_SECONDS.labels("", ticket.model, ticket.priority, "timed_out").observe(seconds)
-        metrics.QUEUE_TIMEOUTS.labels(ticket.model, ticket.priority).inc()
+        metrics.child(metrics.QUEUE_WAIT_SECONDS, "", ticket.model, ticket.priority, "timed_out").observe(seconds)
+        metrics.child(metrics.QUEUE_TIMEOUTS, ticket.model, ticket.priority).inc()
     else:
-        metrics.QUEUE_WAIT_SECONDS.labels("", ticket.model, ticket.priority, "left").observe(seconds)
+        metrics.child(metrics.QUEUE_WAIT_SECONDS, "", ticket.model, ticket.priority, "left").observe(seconds)
 def _count_share_refusal(provider: Provider, model: str, result: Result) -> None:
     """Count an admission routing.third_party_share refused (iris_third_party_share_refusals_total)."""
     if result is Result.THIRD_PARTY_SHARE_REACHED:
-        metrics.THIRD_PARTY_SHARE_REFUSALS.labels(provider.name, model).inc()
+        metrics.child(metrics.THIRD_PARTY_SHARE_REFUSALS, provider.name, model).inc()
 
 
 _FEATURE_PARAMS = {"tools": "tools", "vision": "messages", "json_schema": "response_format"}

@@ -22,7 +22,7 @@ import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from extproc.config import load_config
+from extproc.config import envoy_check, load_config
 from irislab.local_gateway import LocalGateway
 from tests.support.gateway import gateway_config
 
@@ -173,6 +173,9 @@ def test_istio_envoy_filter_carries_envoy_yaml_ext_proc_settings():
     for field in ("@type", "failure_mode_allow", "message_timeout", "processing_mode", "allow_mode_override", "allowed_override_modes",
                   "response_attributes", "mutation_rules"):
         assert ours[field] == reference[field], field
+    # Issue 24: only the headers the server reads, those of the routing.yaml it runs with.
+    forwarded = [pattern["exact"] for pattern in ours["forward_rules"]["allowed_headers"]["patterns"]]
+    assert forwarded == list(envoy_check.read_headers(routing_config()))
     service = by_kind("Service")
     port = service["spec"]["ports"][0]["port"]
     assert ours["grpc_service"]["envoy_grpc"]["cluster_name"] == \

@@ -110,6 +110,10 @@ def manager_of(bootstrap: dict) -> dict:
     return bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
 
 
+def ext_proc_of(bootstrap: dict) -> dict:
+    return next(f["typed_config"] for f in manager_of(bootstrap)["http_filters"] if f["name"] == envoy_check.EXT_PROC_FILTER)
+
+
 def test_a_trusted_identity_header_envoy_does_not_strip_is_refused(tmp_path):
     """Issue 20, item 8: a trusted identity header a client can send is a forged identity. Each
     one must be removed by the early header mutation, as the routing header is; `check`, `serve`
@@ -123,6 +127,10 @@ def test_a_trusted_identity_header_envoy_does_not_strip_is_refused(tmp_path):
         f"{ENVOY}: no early header mutation removes {header!r} (session.trusted_identity_headers), so any client could claim an "
         "identity (early_header_mutation_extensions: remove; an authenticating filter then sets it)"
         for header in ("x-user-id", "x-auth-subject")
+    ] + [
+        f"{ENVOY}: the ext_proc filter's forward_rules do not forward {header!r} (session.trusted_identity_headers), which the "
+        "router reads (render the file with `iris-extproc envoy-config`, or add it to allowed_headers)"
+        for header in ("x-user-id", "x-auth-subject")
     ]
     served = cli("serve", "--config", str(tmp_path / "r.yaml"), "--envoy", str(ENVOY), cwd=tmp_path)
     assert served.returncode == 2 and "x-user-id" in served.stderr  # serve refuses the pair before it starts
@@ -130,6 +138,7 @@ def test_a_trusted_identity_header_envoy_does_not_strip_is_refused(tmp_path):
     manager_of(bootstrap)["early_header_mutation_extensions"][0]["typed_config"]["mutations"] += [
         {"remove": "x-user-id"}, {"remove": "X-Auth-Subject"},
     ]
+    ext_proc_of(bootstrap)["forward_rules"]["allowed_headers"]["patterns"] += [{"exact": "x-user-id"}, {"prefix": "x-auth-"}]
     assert envoy_check.check(parse_config(data), bootstrap) == []  # stripped (names compared without case): they agree
     data["session"]["identity_sources"] = ["credential", "body"]
     assert envoy_check.check(parse_config(data), yaml.safe_load(ENVOY.read_text())) == []  # never read: nothing to forge
@@ -324,8 +333,10 @@ def test_the_admission_queue_needs_its_class_header_stripped_and_time_to_wait():
                                               "class_header": "x-iris-priority"}
     bootstrap = yaml.safe_load(ENVOY.read_text())
     problems = envoy_check.check(parse_config(data), bootstrap)
-    assert len(problems) == 1 and "removes 'x-iris-priority' (routing.queue.class_header)" in problems[0]
+    assert len(problems) == 2 and "removes 'x-iris-priority' (routing.queue.class_header)" in problems[0]
+    assert "forward_rules do not forward 'x-iris-priority' (routing.queue.class_header)" in problems[1]
     manager_of(bootstrap)["early_header_mutation_extensions"][0]["typed_config"]["mutations"].append({"remove": "x-iris-priority"})
+    ext_proc_of(bootstrap)["forward_rules"]["allowed_headers"]["patterns"].append({"exact": "x-iris-priority"})
     assert envoy_check.check(parse_config(data), bootstrap) == []
     data["routing"]["queue"]["classes"][0]["max_wait_ms_by_model"] = {next(iter(data["providers"][0]["models"])): 3000}
     problems = envoy_check.check(parse_config(data), bootstrap)
