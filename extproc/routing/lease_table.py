@@ -6,9 +6,11 @@ the answer never arrives (the client hung up, the decision timed out, Redis fail
 abandonment of those ids (lua/abandon.lua) is queued to a worker of the table, out of reach of
 the request's cancellation, and retried until Redis takes it; an id never admitted answers
 NOT_FOUND. A decided request is held (`Held`) until the stream loop hands back its end (`end`):
-the table renews the lease every `lease_timeout_seconds / 3`, releases it (refreshing the pin
-only after a 2xx on a pinned provider, the spec's execute_with_request_lease), and reports it lost
-(`Held.lost`) only when Redis saw it expire.
+the table renews the lease every `lease_timeout_seconds / 3` (between a sixth and a third of it,
+in one sweep per table that renews every lease due in one script call per model), releases it
+(refreshing the pin only after a 2xx on a pinned provider, the spec's execute_with_request_lease;
+the releases of one loop turn in one script call per model), and reports it lost (`Held.lost`)
+only when Redis saw it expire. docs/routing-state.md "Renewals and releases in batches".
 
 What a running request is promised (docs/routing-state.md "When Redis is gone"):
 - a renewal that cannot reach Redis keeps the request running; the lease is adopted
