@@ -95,6 +95,11 @@ async def measure(url: str, redis_pid: int, client: str, mode: str, operation: s
     return {"client": client_cpu / count * 1e6, "server": server_cpu / count * 1e6, "wall": wall / count * 1e6}
 
 
+def _ratio(batched: float, single: float) -> str:
+    """batched / single, or "n/a" when single measured 0 (redis-server's CPU ticks every 10 ms)."""
+    return f"{batched / single:.2f}x" if single > 0 else "n/a"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--concurrency", type=int, default=32, help="leases renewed or released at once")
@@ -128,7 +133,7 @@ def main() -> None:
             single, batched = best[(operation, client, "single")], best[(operation, client, "batched")]
             rows.append([
                 operation, client,
-                *(f"{single[k]:.0f} -> {batched[k]:.0f} ({batched[k] / single[k]:.2f}x)" for k in ("client", "server", "wall")),
+                *(f"{single[k]:.0f} -> {batched[k]:.0f} ({_ratio(batched[k], single[k])})" for k in ("client", "server", "wall")),
             ])
     print_table(
         f"us per lease, single -> batched, {options.concurrency} at once (lowest of {options.rounds} runs, {options.loop})",
