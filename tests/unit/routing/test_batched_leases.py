@@ -243,3 +243,31 @@ async def test_k_releases_in_one_loop_turn_go_in_one_call(redis_url, redis_clien
     for held in helds:  # each pin refreshed and kept, as a single release with refresh does
         pin = await table.state.get_pin("m", held.decision.lease.session_id)
         assert pin is not None and pin.id == held.lease.pin_id
+
+
+async def test_leases_of_two_configs_renew_in_their_own_calls_by_their_own_timeouts(redis_url, redis_client, hot_path):
+    """Issue 20 item 1 with batches: after a reload that changed lease_timeout_seconds, each lease
+    renews in a call of the config it was admitted under and is extended by that config's
+    timeout, not the other's."""
+    table = make_table(redis_client, redis_url, hot_path, lease_timeout_seconds=0.9)
+    await table.refresh_epoch()
+    [short] = await hold(table, 1)
+    longer = roomy_config(redis_url, lease_timeout_seconds=3.0)
+    state = RoutingState(redis_client, longer, hot_path=hot_path)
+    table.reconfigure(longer, state, Router(longer, state, DegradedFlags(redis_client, longer)))
+    [long] = await hold(table, 1)
+    leases = table.state.keys.provider_leases("m", "iris-1")
+    admitted_until = await redis_client.zscore(leases, long.lease.id)
+    for _ in range(500):  # its first renewal, a third of 3 s after its admission (a 0.9 s one would not extend it)
+        if await redis_client.zscore(leases, long.lease.id) > admitted_until:
+            break
+        await asyncio.sleep(0.02)
+    seconds, micros = await redis_client.time()
+    now_ms = seconds * 1000 + micros // 1000
+    assert 0 < await redis_client.zscore(leases, short.lease.id) - now_ms <= 900
+    assert 2000 < await redis_client.zscore(leases, long.lease.id) - now_ms <= 3000
+    assert not short.lost.is_set() and not long.lost.is_set()
+    for held in (short, long):
+        table.end(held, succeeded=True)
+    await table.drain()
+    assert await redis_client.zcard(leases) == 0
