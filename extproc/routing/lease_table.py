@@ -6,9 +6,11 @@ the answer never arrives (the client hung up, the decision timed out, Redis fail
 abandonment of those ids (lua/abandon.lua) is queued to a worker of the table, out of reach of
 the request's cancellation, and retried until Redis takes it; an id never admitted answers
 NOT_FOUND. A decided request is held (`Held`) until the stream loop hands back its end (`end`):
-the table renews the lease every `lease_timeout_seconds / 3`, releases it (refreshing the pin
-only after a 2xx on a pinned provider, the spec's execute_with_request_lease), and reports it lost
-(`Held.lost`) only when Redis saw it expire.
+the table renews the lease every `lease_timeout_seconds / 3` (between a sixth and a third of it,
+in one sweep per table that renews every lease due in one script call per model), releases it
+(refreshing the pin only after a 2xx on a pinned provider, the spec's execute_with_request_lease;
+the releases of one loop turn in one script call per model), and reports it lost (`Held.lost`)
+only when Redis saw it expire. docs/routing-state.md "Renewals and releases in batches".
 
 What a running request is promised (docs/routing-state.md "When Redis is gone"):
 - a renewal that cannot reach Redis keeps the request running; the lease is adopted
@@ -53,7 +55,7 @@ from extproc import metrics
 from extproc.config import Config
 from extproc.routing.outage import OutagePolicy, RedisBreaker
 from extproc.routing.router import Decision, Ids, Reason, Rejection, Router, RoutingRequest
-from extproc.routing.state import Lease, Result, RoutingState, new_id
+from extproc.routing.state import MAX_LEASES_PER_CALL, Lease, LeaseUpdate, Result, RoutingState, new_id
 from extproc.storage.client import REDIS_FAILURES, in_own_task, is_pool_exhausted, redis_time_ms
 from extproc.storage.keys import Keyspace
 from extproc.supervision import run_every
@@ -85,7 +87,8 @@ class Held:
     unconfirmed: bool = False  # a renewal failed since the last one Redis answered
     ended: bool = False
     adopting: bool = False
-    renewal: asyncio.Task | asyncio.TimerHandle | None = None  # a timer until the first renewal is due
+    renew_at: float = math.inf  # monotonic s when its next renewal is due (the renewal sweep's)
+    renewing: bool = False  # a renewal call of the sweep carries it now
     confirmed_at: float = field(default_factory=time.monotonic)  # monotonic s of the last renewal answered
 
     @property
@@ -132,6 +135,9 @@ class LeaseTable:
         self._adoption_wanted: asyncio.Event | None = None  # set when the epoch changed: the adoption worker runs
         self._adoption_pending = False  # leases admitted under an earlier epoch are not all adopted yet
         self._releases: set[asyncio.Task] = set()
+        self._release_batcher = _ReleaseBatcher()
+        self._sweep_timer: asyncio.TimerHandle | None = None
+        self._sweeps: set[asyncio.Task] = set()  # renewal calls under way
 
     def reconfigure(self, config: Config, state: RoutingState, router: Router) -> None:
         """Decide with a reloaded config from now on (extproc.operations.reload). Every lease held keeps
@@ -242,8 +248,8 @@ class LeaseTable:
         self._held.add(held)
         if decision.lease is not None:
             self._on_pair[(decision.lease.provider, decision.lease.model)] += 1
-            # Most requests end before the first renewal is due: the task is only created then.
-            held.renewal = asyncio.get_running_loop().call_later(self._lease_timeout(held) / 3, self._start_renewing, held)
+            held.renew_at = time.monotonic() + self._lease_timeout(held) / 3
+            self._sweep_at(held.renew_at)
         return held
 
     def _lease_timeout(self, held: Held) -> float:
@@ -275,8 +281,6 @@ class LeaseTable:
             self._held.discard(held)
             if held.lease is not None:
                 self._on_pair[(held.lease.provider, held.lease.model)] -= 1
-        if held.renewal is not None:
-            held.renewal.cancel()
 
     def _spawn_release(self, held: Held, refresh: bool) -> None:
         task = asyncio.get_running_loop().create_task(self._release(held, refresh))
@@ -284,14 +288,14 @@ class LeaseTable:
         task.add_done_callback(self._releases.discard)
 
     async def _release(self, held: Held, refresh: bool) -> None:
-        """Release in Redis, retrying while the lease may still count there."""
+        """Release in Redis, retrying while the lease may still count there. The releases asked
+        in one loop turn go out together (_ReleaseBatcher): one script call per model."""
         give_up_at = max(held.confirmed_at, time.monotonic()) + self._lease_timeout(held)
         while True:
             try:
-                await (held.state or self.state).release_request_lease(held.lease, refresh_pin=refresh)
+                await self._release_batcher.release(held.state or self.state, held.lease, refresh)
                 return
             except REDIS_FAILURES as exc:
-                metrics.child(metrics.REDIS_ERRORS, "release").inc()
                 if time.monotonic() + self.retry_seconds >= give_up_at:
                     log.warning("lease %s not released, it expires by itself: %s", held.lease.id, exc)
                     return
@@ -338,44 +342,109 @@ class LeaseTable:
         self._abandoning -= 1
 
     # ---- renewing -----------------------------------------------------------------------
+    #
+    # One sweep per table renews every lease held: a timer fires when the earliest renewal is due
+    # and takes every lease due within half a renewal interval from then (so a lease renews
+    # between a sixth and a third of its lease timeout after its previous renewal was answered),
+    # grouped by routing state and model, one script call per group (lua/renew.lua, variadic; a
+    # model's keys share one hash tag, so one Cluster slot). A lease whose call is under way is
+    # not taken again: one slow or dead shard holds up nobody else's renewals.
 
-    def _start_renewing(self, held: Held) -> None:
-        if not held.ended:
-            held.renewal = asyncio.get_running_loop().create_task(self._renew_forever(held))
+    def _sweep_at(self, when: float) -> None:
+        """Make sure the sweep runs by monotonic time `when` (seconds)."""
+        timer = self._sweep_timer
+        if timer is not None and not timer.cancelled() and timer.when() <= _loop_time(when):
+            return
+        if timer is not None:
+            timer.cancel()
+        self._sweep_timer = asyncio.get_running_loop().call_at(_loop_time(when), self._sweep)
 
-    async def _renew_forever(self, held: Held) -> None:
-        """Renew every third of the lease's timeout until the request ends or the lease is lost.
-        Nothing but the lease's loss ends it: an unexpected error counts as a renewal that did not
-        reach Redis (the lease is adopted when one does)."""
-        interval = self._lease_timeout(held) / 3
-        while not held.ended:
-            if not held.local:
-                if self.breaker.is_open:
-                    held.unconfirmed = True
-                else:
-                    try:
-                        renewed = await self._renew_once(held)
-                    except Exception:  # noqa: BLE001 (no renewal loop may die: the lease would expire under a running request)
-                        log.exception("lease renewal failed unexpectedly, the request keeps running")
-                        held.unconfirmed, renewed = True, True
-                    if not renewed:
-                        held.mark_lost()
-                        return
-            await asyncio.sleep(interval)
+    def _sweep(self) -> None:
+        """The renewal sweep (a timer callback): send the renewals due, then time the next
+        sweep. Never raises, and always times the next sweep: no renewal may stop."""
+        self._sweep_timer = None
+        try:
+            self._send_renewals_due(time.monotonic())
+        except Exception:  # noqa: BLE001 (no renewal may stop: a lease would expire under a running request)
+            log.exception("lease renewal sweep failed unexpectedly, the requests keep running")
+        finally:
+            upcoming = [h.renew_at for h in self._held if h.lease is not None and not h.renewing and not h.lost.is_set()]
+            if upcoming:
+                self._sweep_at(max(min(upcoming), time.monotonic() + _SWEEP_MIN_SPACING_SECONDS))
 
-    async def _renew_once(self, held: Held) -> bool:
-        """One renewal. False only when the lease is lost: Redis saw it expire (see the module
-        docstring); a lease Redis lost, or one whose renewals did not reach it in time (failed,
-        or answered more than a lease timeout after the last answered one), is adopted."""
+    def _send_renewals_due(self, now: float) -> None:
+        groups: dict[tuple[int, str], list[Held]] = {}
+        for held in self._held:
+            if held.lease is None or held.ended or held.renewing or held.lost.is_set():
+                continue
+            interval = self._lease_timeout(held) / 3
+            if held.renew_at > now + interval / 2:
+                continue
+            if held.local or self.breaker.is_open:
+                held.unconfirmed = held.unconfirmed or not held.local
+                held.renew_at = now + interval
+                continue
+            state = held.state or self.state
+            groups.setdefault((id(state), held.lease.model), []).append(held)
+        for helds in groups.values():
+            for at in range(0, len(helds), MAX_LEASES_PER_CALL):
+                batch = helds[at:at + MAX_LEASES_PER_CALL]
+                for held in batch:
+                    held.renewing = True
+                task = asyncio.get_running_loop().create_task(self._renew_batch(batch))
+                self._sweeps.add(task)
+                task.add_done_callback(self._sweeps.discard)
+
+    async def _renew_batch(self, batch: list[Held]) -> None:
+        """Renew `batch` (leases of one routing state and model) in one call, then settle each
+        lease as `_renewed` says. A failed call is a failed renewal of every lease in it (the
+        breaker counts the one call); nothing here raises but a cancellation."""
         renewed_at = time.monotonic()
         try:
-            update = await (held.state or self.state).renew_request_lease(held.lease)
-        except REDIS_FAILURES as exc:
-            metrics.child(metrics.REDIS_ERRORS, "renew").inc()
+            state = batch[0].state or self.state
+            try:
+                updates = await state.renew_request_leases([held.lease for held in batch])
+            except REDIS_FAILURES as exc:
+                updates = [exc] * len(batch)
+                metrics.child(metrics.REDIS_ERRORS, "renew").inc()
+                self.breaker.record_failure(exc)
+                log.warning("lease renewal of %d leases failed, their requests keep running: %s", len(batch), exc)
+            await asyncio.gather(*(self._settle_renewal(held, update, renewed_at) for held, update in zip(batch, updates)))
+        except Exception:  # noqa: BLE001 (no renewal may stop: the leases would expire under running requests)
+            log.exception("lease renewal failed unexpectedly, the requests keep running")
+            for held in batch:
+                held.unconfirmed = True
+        finally:
+            now = time.monotonic()
+            for held in batch:
+                held.renewing = False
+                held.renew_at = now + self._lease_timeout(held) / 3
+            if any(not held.ended and not held.lost.is_set() for held in batch):
+                self._sweep_at(min(held.renew_at for held in batch))
+
+    async def _settle_renewal(self, held: Held, update: LeaseUpdate | Exception, renewed_at: float) -> None:
+        """What one lease's renewal answer means for it: lost (its request is cancelled) only
+        when `_renewed` says so. Never raises but a cancellation."""
+        if held.ended:
+            return  # its request ended meanwhile: the release takes it from here
+        try:
+            if not await self._renewed(held, update, renewed_at):
+                held.mark_lost()
+        except Exception:  # noqa: BLE001 (no renewal may stop: the lease would expire under a running request)
+            log.exception("lease renewal failed unexpectedly, the request keeps running")
+            held.unconfirmed = True
+
+    async def _renewed(self, held: Held, update: LeaseUpdate | Exception, renewed_at: float) -> bool:
+        """One renewal's answer (`update`: its LeaseUpdate, or the Redis error its call met;
+        `renewed_at`: monotonic s when the call was sent). False only when the lease is lost:
+        Redis saw it expire (see the module docstring); a lease Redis lost, or one whose renewals
+        did not reach it in time (failed, or answered more than a lease timeout after the last
+        answered one), is adopted."""
+        if isinstance(update, Exception):
+            if not isinstance(update, REDIS_FAILURES):
+                raise update
             metrics.child(metrics.LEASE_RENEWALS, "failed").inc()
             held.unconfirmed = True
-            self.breaker.record_failure(exc)
-            log.warning("lease renewal failed, the request keeps running: %s", exc)
             return True
         if update.result is Result.RENEWED:
             metrics.child(metrics.LEASE_RENEWALS, "renewed").inc()
@@ -580,8 +649,79 @@ class LeaseTable:
             await asyncio.sleep(0.05)
         for task in list(self._releases):
             task.cancel()
+        if self._sweep_timer is not None:
+            self._sweep_timer.cancel()
+        for task in list(self._sweeps):
+            task.cancel()
         for worker in self._workers:
             worker.cancel()
+
+
+_SWEEP_MIN_SPACING_SECONDS = 0.005  # sweeps never come closer than this, however the leases are due
+
+
+def _loop_time(monotonic_seconds: float) -> float:
+    """The event loop's clock for a time.monotonic() time (uvloop's clock may differ)."""
+    loop = asyncio.get_running_loop()
+    return loop.time() + (monotonic_seconds - time.monotonic())
+
+
+class _ReleaseBatcher:
+    """The releases asked in one event-loop turn, sent together: one script call per (routing
+    state, model) (lua/release.lua, variadic; one model's keys share a hash tag, so one Cluster
+    slot), at most MAX_LEASES_PER_CALL leases each. Each release gets its own answer, or the
+    error of its call."""
+
+    def __init__(self) -> None:
+        self._pending: dict[tuple[int, str], tuple[RoutingState, list[tuple[Lease, bool, asyncio.Future]]]] = {}
+        self._flush: asyncio.Handle | None = None
+        self._calls: set[asyncio.Task] = set()
+
+    async def release(self, state: RoutingState, lease: Lease, refresh: bool) -> LeaseUpdate:
+        """Release `lease` through `state` (refreshing the pin when `refresh`), in the next call
+        of its group. Raises RedisError as `RoutingState.release_request_leases`."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        future.add_done_callback(_retrieve)  # a release cancelled by the drain leaves no unread error
+        self._pending.setdefault((id(state), lease.model), (state, []))[1].append((lease, refresh, future))
+        if self._flush is None:
+            self._flush = loop.call_soon(self._send)
+        return await future
+
+    def _send(self) -> None:
+        self._flush = None
+        pending, self._pending = self._pending, {}
+        loop = asyncio.get_running_loop()
+        for state, items in pending.values():
+            for at in range(0, len(items), MAX_LEASES_PER_CALL):
+                task = loop.create_task(self._call(state, items[at:at + MAX_LEASES_PER_CALL]))
+                self._calls.add(task)
+                task.add_done_callback(self._calls.discard)
+
+    @staticmethod
+    async def _call(state: RoutingState, items: list[tuple[Lease, bool, asyncio.Future]]) -> None:
+        try:
+            answers = await state.release_request_leases([(lease, refresh) for lease, refresh, _ in items])
+        except asyncio.CancelledError:
+            for _, _, future in items:
+                future.cancel()
+            raise
+        except Exception as exc:  # noqa: BLE001 (every waiter learns how its call ended)
+            if isinstance(exc, REDIS_FAILURES):
+                metrics.child(metrics.REDIS_ERRORS, "release").inc()
+            answers = [exc] * len(items)
+        for (_, _, future), answer in zip(items, answers):
+            if future.done():
+                continue
+            if isinstance(answer, BaseException):
+                future.set_exception(answer)
+            else:
+                future.set_result(answer)
+
+
+def _retrieve(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 def _text(raw: bytes | str) -> str:

@@ -19,9 +19,11 @@ import enum
 import logging
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
+
+from redis.exceptions import RedisError, ResponseError
 
 from extproc import metrics
 from extproc.config import Config, Provider, ProviderKind
@@ -32,6 +34,8 @@ from extproc.storage.pipelined import Packed, PipelinedRedis
 NO_LIMIT = -1
 SHARE_OFF = [0, 0, 0, ""]  # the scripts' routing.third_party_share arguments when it does not apply (lua/lib.lua read_share)
 NOT_REPLICATED_LOG_INTERVAL_SECONDS = 10.0
+MAX_LEASES_PER_CALL = 128  # renewals or releases in one script call: bounds how long one call holds Redis
+UNKNOWN_PROVIDER = "UNKNOWN_PROVIDER"  # a variadic renewal's or release's answer for a provider the config lacks
 
 log = logging.getLogger(__name__)
 
@@ -400,6 +404,60 @@ class RoutingState:
         args = [lease.provider, lease.id, lease.pin_id or "", "1" if refresh_pin else "0"]
         reply = await self._call("release", lease.model, lease.session_id or "", args, now_ms)
         return LeaseUpdate(Result(_text(reply[0])), None, int(reply[1]))
+
+    async def renew_request_leases(self, leases: Sequence[Lease], *, now_ms: int | None = None) -> list[LeaseUpdate | RedisError]:
+        """Renew several leases of one model in one script call (lua/renew.lua with a lease per
+        three op arguments; at most MAX_LEASES_PER_CALL), each exactly as `renew_request_lease`
+        would, in order. Returns one answer per lease: its LeaseUpdate, or a ResponseError (its
+        provider is unknown to this state). Raises ValueError for an empty list, leases of several
+        models or too many; RedisError when the call fails (none of them was renewed then, or all
+        were)."""
+        args = [arg for lease in leases for arg in (lease.provider, lease.id, lease.pin_id or "")]
+        replies = await self._call_many("renew", leases, args, now_ms)
+        return [r if isinstance(r, RedisError) else LeaseUpdate(Result(_text(r[0])), _int_or_none(r[7]), int(r[1])) for r in replies]
+
+    async def release_request_leases(
+        self, releases: Sequence[tuple[Lease, bool]], *, now_ms: int | None = None
+    ) -> list[LeaseUpdate | RedisError]:
+        """Release several leases of one model in one script call (lua/release.lua with a lease per
+        four op arguments; at most MAX_LEASES_PER_CALL), each `(lease, refresh_pin)` exactly as
+        `release_request_lease` would, in order (so the admission queue's hand-over and the pins
+        end as after as many single releases). Returns one answer per lease: its LeaseUpdate, or a
+        ResponseError (its provider is unknown to this state). Raises ValueError for an empty
+        list, leases of several models or too many; RedisError when the call fails."""
+        args = [
+            arg for lease, refresh in releases for arg in (lease.provider, lease.id, lease.pin_id or "", "1" if refresh else "0")
+        ]
+        replies = await self._call_many("release", [lease for lease, _ in releases], args, now_ms)
+        return [r if isinstance(r, RedisError) else LeaseUpdate(Result(_text(r[0])), None, int(r[1])) for r in replies]
+
+    async def _call_many(self, script: str, leases: Sequence[Lease], op_args: list[object], now_ms: int | None) -> list:
+        """One call of the variadic `script` (renew or release) for `leases` (one model: one hash
+        tag, so one Cluster slot): the first lease's session keys in the usual place, the others'
+        last. Returns one reply per lease; an unknown provider's as a ResponseError."""
+        if not leases or len(leases) > MAX_LEASES_PER_CALL:
+            raise ValueError(f"{len(leases)} leases in one call: 1 to {MAX_LEASES_PER_CALL} allowed")
+        model = leases[0].model
+        if any(lease.model != model for lease in leases):
+            raise ValueError("leases of several models in one call: their keys may live in several slots")
+        further = tuple(
+            key for lease in leases[1:] for key in (
+                self.keys.pin(model, lease.session_id or ""),
+                self.keys.session_leases(model, lease.session_id or ""),
+                self.keys.session_earlier_leases(model, lease.session_id or ""),
+            )
+        )
+        try:
+            reply = await self._call(script, model, leases[0].session_id or "", op_args, now_ms, extra_keys=further)
+        except ResponseError as exc:
+            if len(leases) == 1 and "unknown provider" in str(exc):
+                return [exc]
+            raise
+        replies = [reply] if len(leases) == 1 else reply
+        return [
+            ResponseError(f"unknown provider for this model: {lease.provider}") if _text(r[0]) == UNKNOWN_PROVIDER else r
+            for lease, r in zip(leases, replies)
+        ]
 
     async def abandon_request(
         self, model: str, session_id: str | None, lease_id: str, pin_id: str, *, now_ms: int | None = None

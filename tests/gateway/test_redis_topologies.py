@@ -133,6 +133,35 @@ def test_cluster_runs_every_command_without_crossing_slots(cluster, client_kind)
     asyncio.run(exercise_everything(config, client_kind))
 
 
+@CLIENT_KINDS
+def test_cluster_batches_renewals_and_releases_per_hash_tag(cluster, client_kind):
+    """Issue 24: leases of models on several shards renew in one sweep and release in one loop
+    turn, one script call per model (its hash tag, one slot): no CROSSSLOT, every answer its own."""
+    prefix = f"tb-{client_kind}"
+    config = many_models_config({"key_prefix": prefix, "cluster": {"nodes": cluster.seeds[:1]}})
+
+    async def run() -> None:
+        client = open_redis(config.redis, timeout_seconds=5)
+        hot_path = hot_path_for(client_kind, config)
+        try:
+            state = RoutingState(client, config, hot_path=hot_path)
+            leases = {}
+            for model in config.models():
+                provider = config.providers_for(model)[0].name
+                admitted = [await state.try_admit_unpinned_session_request(provider, model, f"s{i}") for i in range(2)]
+                leases[model] = [a.lease for a in admitted if a.lease is not None]
+                assert leases[model], (model, admitted)
+            for model, held in leases.items():
+                assert {u.result for u in await state.renew_request_leases(held)} == {Result.RENEWED}
+            releases = await asyncio.gather(*(state.release_request_leases([(lease, True) for lease in held])
+                                              for held in leases.values()))
+            assert {u.result for answers in releases for u in answers} == {Result.RELEASED}
+        finally:
+            await close_both(client, hot_path)
+
+    asyncio.run(run())
+
+
 def test_cluster_time_comes_from_the_node_that_owns_the_key(cluster):
     """The epoch's age and the instance registry compare with the Redis time of the node their
     key lives on (redis_time_ms), not of whichever node the client picks."""

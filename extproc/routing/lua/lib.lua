@@ -340,3 +340,36 @@ end
 local function unknown_provider(ctx, name)
   return redis.error_reply('ERR unknown provider for this model: ' .. tostring(name))
 end
+
+-- The leases of a call that renews or releases several (renew.lua, release.lua): the op ARGV holds
+-- `width` arguments per lease, the first the provider's name; KEYS[1..3] are the first lease's
+-- session keys, and 3 per further lease come last in KEYS. Calls `one(p, i)` (i: the lease's first
+-- op argument) for each lease in order with ctx's session keys set to its session's. One lease:
+-- its reply, or an error reply for an unknown provider; several: the list of replies, an unknown
+-- provider's as {'UNKNOWN_PROVIDER', now, ...}.
+local function each_lease(ctx, width, one)
+  local n = (#ARGV - ctx.args_at + 1) / width
+  if n == 1 then
+    local p = ctx.by_name[op_arg(ctx, 1)]
+    if not p then
+      return unknown_provider(ctx, op_arg(ctx, 1))
+    end
+    return one(p, 1)
+  end
+  local further = #KEYS - 3 * (n - 1)
+  local replies = {}
+  for k = 1, n do
+    local i = (k - 1) * width + 1
+    if k > 1 then
+      local at = further + 3 * (k - 2)
+      ctx.pin_key, ctx.session_leases_key, ctx.session_earlier_key = KEYS[at + 1], KEYS[at + 2], KEYS[at + 3]
+    end
+    local p = ctx.by_name[op_arg(ctx, i)]
+    if p then
+      replies[k] = one(p, i)
+    else
+      replies[k] = reply(ctx, 'UNKNOWN_PROVIDER', nil, op_arg(ctx, i + 1))
+    end
+  end
+  return replies
+end

@@ -88,7 +88,7 @@ MUTANTS = (
     Mutant(
         "release_of_an_expired_lease_counts_as_live",
         "releasing an expired lease answers RELEASED and may refresh the pin",
-        (("release", "if score <= ctx.now then\n  if on_pin then", "if score < 0 then\n  if on_pin then"),),
+        (("release", "if score <= ctx.now then\n    if on_pin then", "if score < 0 then\n    if on_pin then"),),
     ),
     Mutant(
         "pin_expiry_ignores_live_leases_on_release",
@@ -99,7 +99,7 @@ MUTANTS = (
     Mutant(
         "pin_expiry_ignores_renewals",
         "renewing a lease does not keep its pin alive",
-        (("renew", "redis.call('ZADD', ctx.session_leases_key, 'XX', deadline, lease_id)\n  pin.expiry = math.max(pin.expiry, deadline)",
+        (("renew", "redis.call('ZADD', ctx.session_leases_key, 'XX', deadline, lease_id)\n    pin.expiry = math.max(pin.expiry, deadline)",
           "redis.call('ZADD', ctx.session_leases_key, 'XX', deadline, lease_id)"),),
     ),
     Mutant(
