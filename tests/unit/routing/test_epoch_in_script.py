@@ -85,3 +85,15 @@ async def test_outside_a_decision_or_on_a_cluster_no_script_reads_the_epoch(redi
     await redis_client.set("{t}:epoch", EPOCH)
     assert await watching_epoch(every_decision_call(cluster), seen) == outside
     assert seen.epochs == set()
+
+
+async def test_an_admission_with_its_wait_returns_the_epoch_too(redis_client, redis_url, hot_path):
+    """With `redis.durable_admissions` the admission and its WAIT go in one pipeline: the epoch
+    still comes off the script's reply (no replica here: the WAIT times out, the admission stands)."""
+    redis = {"url": redis_url, "key_prefix": "t", "durable_admissions": {"replicas": 1, "timeout_ms": 5}}
+    state = RoutingState(redis_client, parse_config(small_config_data(redis_url, redis=redis)), hot_path=hot_path)
+    await redis_client.set(state.keys.epoch(), EPOCH)
+    seen = EpochSeen()
+    pin, admission = await watching_epoch(state.get_pin_and_try_admit("m", "s", ["iris-1"]), seen)
+    assert pin is None and admission.lease is not None and admission.lease.provider == "iris-1"
+    assert seen.epochs == {EPOCH}
