@@ -1,10 +1,15 @@
-"""The cost of the epoch read every decision makes with its admission (extproc.routing.lease_table):
-decisions through `LeaseTable.decide` (and their release) with the read and without it, one at
-a time and 32 at once (the concurrent ones share one read in flight).
+"""The cost of learning the epoch with every decision (extproc.routing.lease_table): decisions
+through `LeaseTable.decide` (and their release) with the epoch read apart (a GET over redis-py,
+shared by the decisions waiting on it: what every decision did before issue 24, and what it still
+does on a Redis Cluster) against the epoch read inside the admission script (standalone and
+Sentinel since issue 24), one at a time and 32 at once, with the routing scripts over redis-py
+and over the pipelined client (the default).
 
-    python -m bench.epoch_read [--decisions 3000]
+    python -m bench.epoch_read [--decisions 3000] [--rounds 2]
 
-Redis is started here without persistence; the client runs on the same machine.
+Prints, per variant, the wall time per decision plus release and this process's CPU per decision
+(time.process_time: Redis's own CPU is not in it), in microseconds. Redis is started here
+without persistence; the client runs on the same machine.
 """
 
 from __future__ import annotations
@@ -21,47 +26,50 @@ from extproc.routing.lease_table import LeaseTable
 from extproc.routing.outage import InstanceRegistry, OutagePolicy, RedisBreaker
 from extproc.routing.router import Router, RoutingRequest
 from extproc.routing.state import RoutingState, connect
+from extproc.storage.pipelined import open_pipelined
 from irislab.processes import start_redis
-from tests.conftest import small_config_data
+from tests.support.configs import small_config_data
 
 
-async def run(url, skip_read, n, conc):
+async def run(url: str, client: str, in_script: bool, n: int, conc: int) -> tuple[float, float]:
+    """(wall us, client CPU us) per decision plus release."""
     redis = connect(url, timeout_seconds=2.0)
     config = parse_config(small_config_data(url, lease_timeout_seconds=30))
-    state = RoutingState(redis, config)
+    hot_path = open_pipelined(config.redis, timeout_seconds=2.0) if client == "pipelined" else None
+    state = RoutingState(redis, config, hot_path=hot_path)
+    state.epoch_in_script = in_script  # False: as on a Redis Cluster
     router = Router(config, state, DegradedFlags(redis, config))
     table = LeaseTable(config, state, router, OutagePolicy(config, router, InstanceRegistry(redis, "t")), RedisBreaker(redis, 3))
     table.start()
     await table.refresh_epoch()
-    if skip_read:
-        def already_read() -> asyncio.Future:
-            read = asyncio.get_running_loop().create_future()
-            read.set_result(None)
-            return read
-
-        table._epoch_read_shared = already_read
     sem = asyncio.Semaphore(conc)
 
-    async def one(i):
+    async def one():
         async with sem:
             held = await table.decide(RoutingRequest("m", "chat", frozenset(), None))
             table.end(held, succeeded=True)
-    t = time.perf_counter()
-    await asyncio.gather(*(one(i) for i in range(n)))
-    dt = time.perf_counter() - t
+
+    wall, cpu = time.perf_counter(), time.process_time()
+    await asyncio.gather(*(one() for _ in range(n)))
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     await table.drain()
+    if hot_path is not None:
+        await hot_path.aclose()
     await redis.aclose()
-    return dt / n * 1e6
+    return wall / n * 1e6, cpu / n * 1e6
 
 
-async def main(decisions: int) -> None:
+async def main(decisions: int, rounds: int) -> None:
     proc = start_redis(Path(tempfile.mkdtemp()))
     url = f"redis://127.0.0.1:{proc.port}/0"
     try:
-        for conc in (1, 32):
-            for skip in (True, False, True, False):
-                us = await run(url, skip, decisions, conc)
-                print(f"concurrency {conc:2d} epoch read {'off' if skip else 'on '}: {us:7.1f} us per decision")
+        for client in ("redis-py", "pipelined"):
+            for conc in (1, 32):
+                for _ in range(rounds):
+                    for in_script in (False, True):
+                        wall, cpu = await run(url, client, in_script, decisions, conc)
+                        where = "in script" if in_script else "apart    "
+                        print(f"{client:9s} concurrency {conc:2d} epoch {where}: {wall:7.1f} us wall, {cpu:7.1f} us CPU per decision")
     finally:
         proc.stop()
 
@@ -69,4 +77,6 @@ async def main(decisions: int) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--decisions", type=int, default=3000)
-    asyncio.run(main(parser.parse_args().decisions))
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    asyncio.run(main(args.decisions, args.rounds))

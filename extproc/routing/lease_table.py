@@ -23,10 +23,15 @@ What a running request is promised (docs/routing-state.md "When Redis is gone"):
   renewal since the last success, answered within a lease timeout of it) is lost: its request is
   cancelled.
 
-Every decision reads the epoch alongside its admission (one read in flight per process, shared
-by the decisions waiting on it, sent with the admission rather than before it: one round trip of
-latency fewer) and abandons what it admitted when the epoch changed, so nothing admitted on a
-Redis that lost its state is kept. After a new epoch (written with its creation time, Redis
+Every decision learns the epoch with its admission and abandons what it admitted when the epoch
+changed, so nothing admitted on a Redis that lost its state is kept. Where Redis has no hash slots
+(standalone, Sentinel: RoutingState.epoch_in_script) the admission scripts read it themselves,
+atomically with what they admit (extproc.routing.state.watching_epoch): a decision whose scripts
+all saw the epoch this process knows reads nothing more. Otherwise (a Redis Cluster, whose epoch
+key is in another slot; no epoch known yet; a script that saw another epoch or none; a decision
+that ran no script) it awaits the shared read `refresh_epoch` (one read in flight per process,
+shared by the decisions waiting on it; sent with the admission, not before it, where the scripts
+cannot read the epoch). After a new epoch (written with its creation time, Redis
 time in ms), managed pairs take no new admission until `redis.epoch_grace` seconds after that
 time, nor while this process adopts after an epoch change: every other instance sees the new
 epoch within a heartbeat or a probe and adopts its running leases meanwhile, and only then may
@@ -55,7 +60,7 @@ from extproc import metrics
 from extproc.config import Config
 from extproc.routing.outage import OutagePolicy, RedisBreaker
 from extproc.routing.router import Decision, Ids, Reason, Rejection, Router, RoutingRequest
-from extproc.routing.state import MAX_LEASES_PER_CALL, Lease, LeaseUpdate, Result, RoutingState, new_id
+from extproc.routing.state import MAX_LEASES_PER_CALL, EpochSeen, Lease, LeaseUpdate, Result, RoutingState, new_id, watching_epoch
 from extproc.storage.client import REDIS_FAILURES, in_own_task, is_pool_exhausted, redis_time_ms
 from extproc.storage.keys import Keyspace
 from extproc.supervision import run_every
@@ -194,17 +199,24 @@ class LeaseTable:
             return self._decide_locally(request, state, shares=False)
         ids = Ids.fresh()
         admission = None
+        seen = EpochSeen()
         # A request that may wait in the admission queue (docs/queue.md) has its wait on top.
         timeout = self.config.server.decision_timeout_seconds + router.queue_wait_seconds(request)
         try:
             async with asyncio.timeout(timeout):
-                epoch_read = self._epoch_read_shared()
+                # The scripts read the epoch themselves where they can (module docstring); else
+                # the shared read goes out with the admission.
+                in_script = state.epoch_in_script and self.epoch is not None
+                epoch_read = None if in_script else self._epoch_read_shared()
                 # A task of its own (storage.client.in_own_task): the timeout or a cancellation
                 # reaches this decision at once on every Python, and the admission lands or fails
                 # before its abandonment is sent.
-                admission = asyncio.ensure_future(router.execute_request(request, ids))
+                admission = watching_epoch(router.execute_request(request, ids), seen)
                 outcome = await in_own_task(admission)
-                await self._epoch_read_after(epoch_read)
+                if epoch_read is None and not seen.only(self.epoch):
+                    epoch_read = self._epoch_read_shared()  # Redis lost its state, or nothing was read
+                if epoch_read is not None:
+                    await self._epoch_read_after(epoch_read)
             if self.rebuilding:  # Redis lost its state: what was admitted may count on nothing
                 self._abandon(request, ids, state)
                 return self._decide_locally(request, state, shares=False)

@@ -15,13 +15,16 @@ of Redis.
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import enum
 import logging
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
+from typing import TypeVar
 
 from redis.exceptions import RedisError, ResponseError
 
@@ -36,6 +39,7 @@ SHARE_OFF = [0, 0, 0, ""]  # the scripts' routing.third_party_share arguments wh
 NOT_REPLICATED_LOG_INTERVAL_SECONDS = 10.0
 MAX_LEASES_PER_CALL = 128  # renewals or releases in one script call: bounds how long one call holds Redis
 UNKNOWN_PROVIDER = "UNKNOWN_PROVIDER"  # a variadic renewal's or release's answer for a provider the config lacks
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -188,8 +192,42 @@ def script_body(name: str) -> str:
 
 def script_source(name: str) -> str:
     """The full source of script `name`: lua/lib.lua, lua/queue.lua (the admission queue), then
-    lua/<name>.lua."""
-    return script_body("lib") + "\n" + script_body("queue") + "\n" + script_body(name)
+    lua/<name>.lua as a function whose answer goes through lib.lua's `with_epoch` (the epoch
+    appended when the call's epoch flag asks for it)."""
+    return (
+        script_body("lib") + "\n" + script_body("queue") + "\n"
+        + "local function main()\n" + script_body(name) + "\nend\nreturn with_epoch(main())\n"
+    )
+
+
+class EpochSeen:
+    """The routing state's epochs (`<hex>@<Redis ms>[:lost]`, extproc.storage.keys.Keyspace.epoch)
+    that the routing scripts of one decision saw, each read by the script itself, atomically with
+    what it admitted (lua/lib.lua `with_epoch`); None for a script that found no epoch (Redis lost
+    its state). Filled only where the epoch can ride in the scripts (RoutingState.epoch_in_script);
+    see `watching_epoch`."""
+
+    __slots__ = ("epochs",)
+
+    def __init__(self) -> None:
+        self.epochs: set[str | None] = set()
+
+    def only(self, epoch: str | None) -> bool:
+        """Whether some script saw an epoch and every one saw `epoch` (not None)."""
+        return epoch is not None and self.epochs == {epoch}
+
+
+_EPOCH_SEEN: contextvars.ContextVar[EpochSeen | None] = contextvars.ContextVar("iris_epoch_seen", default=None)
+
+
+def watching_epoch(call: Coroutine[object, object, T], seen: EpochSeen) -> asyncio.Task[T]:
+    """Run `call` in a task of its own in which every RoutingState script call (on a state whose
+    `epoch_in_script` holds) also returns the epoch it saw, recorded in `seen`. The task's own
+    context carries `seen`, so nothing outside it (renewals, releases, other decisions) records
+    there. Needs a running event loop."""
+    context = contextvars.copy_context()
+    context.run(_EPOCH_SEEN.set, seen)
+    return asyncio.get_running_loop().create_task(call, context=context)
 
 
 def new_id() -> str:
@@ -202,6 +240,11 @@ class RoutingState:
     trip), over the hot-path client when the state has one (`hot_path`), else over redis-py;
     NOSCRIPT after a restart, a failover or `SCRIPT FLUSH` is recovered by EVAL of the script on
     the node that answered (extproc.storage.client.LuaScript, PipelinedRedis.evalsha).
+
+    `epoch_in_script`: whether a script called inside `watching_epoch` also reads the epoch key
+    and returns it (EpochSeen): where Redis has no hash slots (standalone, Sentinel). In a
+    Cluster the epoch key (tag `{prefix}`) lives in another slot than a model's keys, which no
+    script may touch together: the lease table reads it apart there.
 
     `now_ms` arguments are test-only. Raises redis.exceptions.RedisError on connection problems
     (the hot-path client's errors are redis-py's classes; its in-flight cap is
@@ -222,6 +265,8 @@ class RoutingState:
         self.hot_path = hot_path
         self.config = config
         self.keys = Keyspace(config.redis.key_prefix)
+        self.epoch_in_script = config.redis.cluster is None
+        self._epoch_key = self.keys.epoch()
         sources = sources or {}
         self._scripts = {
             name: LuaScript(sources.get(name) or script_source(name)) for name in SCRIPT_NAMES
@@ -500,7 +545,10 @@ class RoutingState:
     ) -> list:
         """`queue`: the call's admission-queue arguments; None: the model's default (a request of
         the default class without a ticket). Ignored unless the queue is on for the model and the
-        script is one of QUEUE_SCRIPTS."""
+        script is one of QUEUE_SCRIPTS. Inside `watching_epoch` (and with `epoch_in_script`) the
+        script also returns the epoch it saw, recorded in the EpochSeen and taken off the reply."""
+        seen = _EPOCH_SEEN.get() if self.epoch_in_script else None
+        epoch_flag = "0" if seen is None else "1"
         keys = [
             self.keys.pin(model, session_id),
             self.keys.session_leases(model, session_id),
@@ -517,10 +565,20 @@ class RoutingState:
                 keys += segments.queue_keys[model]
                 queue_section = self._queue_section(model, queue or self._queue_default[model])
             constants = segments.model_args_share[model] if shared else segments.model_args[model]
-            args = ["" if now_ms is None else now_ms, *constants, *queue_section, *op_args]
+            args = ["" if now_ms is None else now_ms, *constants, *queue_section, epoch_flag, *op_args]
         else:
-            args = ["" if now_ms is None else now_ms, *segments.without_providers]
+            args = ["" if now_ms is None else now_ms, *segments.without_providers, epoch_flag]
+        if seen is not None:
+            keys.append(self._epoch_key)
         keys += extra_keys
+        reply = await self._run(script, model, keys, args)
+        if seen is not None:
+            seen.epochs.add(_text(reply.pop()) or None)
+        return reply
+
+    async def _run(self, script: str, model: str, keys: list[object], args: list[object]) -> list:
+        """One script call over the state's client, with its WAIT when `durable_admissions`
+        applies to it. Returns the script's reply."""
         if self._durable is None or script not in ADMITTING_SCRIPTS:
             if self.hot_path is not None:
                 return await self.hot_path.evalsha(self._scripts[script], keys, args)

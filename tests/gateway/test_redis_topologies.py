@@ -27,8 +27,10 @@ from extproc.config import ConfigError, parse_config
 from extproc.operations.fleet_state import FleetStateReader
 from extproc.operations.health import HealthMonitor
 from extproc.routing.degraded import DegradedFlags
-from extproc.routing.outage import InstanceRegistry
-from extproc.routing.state import PinMatch, Result, RoutingState, script_source
+from extproc.routing.lease_table import Held, LeaseTable
+from extproc.routing.outage import InstanceRegistry, OutagePolicy, RedisBreaker
+from extproc.routing.router import Router, RoutingRequest
+from extproc.routing.state import EpochSeen, PinMatch, Result, RoutingState, script_source, watching_epoch
 from extproc.storage.client import LuaScript, open_redis
 from extproc.storage.pipelined import PipelinedRedis, open_pipelined
 from irislab.local_gateway import LocalGateway, ProviderSimulation
@@ -219,6 +221,47 @@ def test_sentinel_runs_every_command(sentinel, client_kind):
     config = many_models_config({"key_prefix": f"s-{client_kind}", "sentinel": {"sentinels": sentinel.addresses,
                                                                              "service_name": SERVICE_NAME}})
     asyncio.run(exercise_everything(config, client_kind))
+
+
+async def decide_on_every_model(config, client_kind: str) -> tuple[set, str]:
+    """A lease table's decision on every chat model of `config` (its scripts over `client_kind`),
+    each admitted on iris-1, and the epochs an admission script of each model saw inside
+    `watching_epoch` (issue 24). Returns (those epochs, the table's epoch)."""
+    client = open_redis(config.redis, timeout_seconds=5)
+    hot_path = hot_path_for(client_kind, config)
+    try:
+        state = RoutingState(client, config, hot_path=hot_path)
+        router = Router(config, state, DegradedFlags(client, config))
+        table = LeaseTable(config, state, router, OutagePolicy(config, router, InstanceRegistry(client, config.redis.key_prefix)),
+                           RedisBreaker(client, 3))
+        table.start()
+        await table.refresh_epoch()
+        seen = EpochSeen()
+        for model in [m for m in MODELS if m != "e"]:
+            held = await table.decide(RoutingRequest(model, "chat", frozenset(), "s"))
+            assert isinstance(held, Held) and held.decision.provider.name == "iris-1", (model, held)
+            table.end(held, succeeded=True)
+            _, admission = await watching_epoch(state.get_pin_and_try_admit(model, "s2", ["iris-1"]), seen)
+            assert admission.result is Result.ADMITTED
+        assert not table.breaker.is_open and not table.rebuilding
+        await table.drain()
+        return seen.epochs, table.epoch
+    finally:
+        await close_both(client, hot_path)
+
+
+@CLIENT_KINDS
+def test_the_epoch_rides_in_the_scripts_on_sentinel_and_is_read_apart_on_cluster(cluster, sentinel, client_kind):
+    """Issue 24: on Sentinel (no hash slots) the admission scripts read the epoch key themselves;
+    in a cluster the epoch key `{prefix}:epoch` is in another slot than every model's keys, so
+    no script touches it (no CROSSSLOT) and the lease table reads it apart, as before."""
+    clustered = many_models_config({"key_prefix": f"t4-{client_kind}", "cluster": {"nodes": cluster.seeds[:1]}})
+    epochs, _ = asyncio.run(decide_on_every_model(clustered, client_kind))
+    assert epochs == set()
+    watched = many_models_config({"key_prefix": f"s4-{client_kind}", "sentinel": {"sentinels": sentinel.addresses,
+                                                                                 "service_name": SERVICE_NAME}})
+    epochs, epoch = asyncio.run(decide_on_every_model(watched, client_kind))
+    assert epochs == {epoch}
 
 
 def replica_zscore(port: int, key: str, member: str, cluster: bool) -> float | None:

@@ -14,10 +14,12 @@
 --       [5] n providers, then 5 per provider: name, max pinned sessions, max global in-flight
 --       request slots, slots reserved for pinned sessions, max per-session in-flight slots
 --       (-1: no limit); then 4 for routing.third_party_share (read_share); then the admission
---       queue's section (lua/queue.lua: "0" when the queue is off for the call); then the
---       operation's own arguments.
+--       queue's section (lua/queue.lua: "0" when the queue is off for the call); then the epoch
+--       flag ("1": the reply ends with the routing state's epoch, `with_epoch`; "0": it does not);
+--       then the operation's own arguments.
 --       With the queue on, KEYS go on after the providers' keys (and the share's two) with the
---       queue's (lua/queue.lua).
+--       queue's (lua/queue.lua); with the epoch flag "1", the epoch key `{prefix}:epoch` comes
+--       next (only where Redis has no hash slots: standalone or Sentinel), before the script's own.
 --
 -- A pin is live while its expiry is in the future; expiry = max(inactivity deadline, deadline of
 -- every lease on the pin), so a live lease keeps its pin alive and counts never include the dead.
@@ -28,6 +30,9 @@
 
 local NO_LIMIT = -1
 local CLEANUP_BATCH = 64
+
+-- The epoch key when the call's epoch flag asks for the epoch (read_context), else nil.
+local epoch_key = nil
 
 -- The admission queue (lua/queue.lua, appended after this file; docs/queue.md).
 local queue_section, queue_gate, queue_wake, queue_drop_ticket
@@ -81,7 +86,22 @@ local function read_context()
   end
   ctx.share = read_share(n)
   ctx.args_at = queue_section(ctx, 10 + n * 5, n, 4 + 2 * n + (ctx.share and 2 or 0))
+  if ARGV[ctx.args_at] == '1' then
+    epoch_key = KEYS[4 + 2 * n + (ctx.share and 2 or 0) + (ctx.queue and 3 + 2 * n or 0)]
+  end
+  ctx.args_at = ctx.args_at + 1
   return ctx
+end
+
+-- The script's answer, with the routing state's epoch ("" when there is none: Redis lost its
+-- state) appended when the call asked for it: read in the same atomic script as the admission,
+-- so the lease table needs no read of its own when it is the epoch it knows. An error reply is
+-- left as it is. Every routing script returns through it (RoutingState's script_source).
+local function with_epoch(answer)
+  if epoch_key and type(answer) == 'table' and answer.err == nil then
+    table.insert(answer, redis.call('GET', epoch_key) or '')
+  end
+  return answer
 end
 
 local function op_arg(ctx, i)

@@ -6,6 +6,7 @@ run once with the routing scripts over redis-py and once over the pipelined clie
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 
 import pytest
 from prometheus_client import REGISTRY
@@ -348,3 +349,82 @@ async def test_a_fleet_starting_on_a_new_redis_takes_no_grace(redis_url, redis_c
     for table, held in zip(tables, outcomes):
         table.end(held, succeeded=True)
         await table.drain()
+
+
+
+async def epoch_gets(redis_client, table: LeaseTable, decisions) -> Counter:
+    """Run `decisions` (an async callable) under MONITOR and count the GETs of the epoch key by
+    who sent them: "lua" (read inside a script) or "client" (a command of its own)."""
+    marker = f"end-of-decisions-{id(table)}"
+    counts: Counter = Counter()
+    async with redis_client.monitor() as monitor:
+        await decisions()
+        await redis_client.echo(marker)
+        while True:
+            command = await asyncio.wait_for(monitor.next_command(), timeout=5)
+            if marker in command["command"]:
+                return counts
+            if command["command"] == f"GET {table._epoch_key}":
+                counts["lua" if command["client_type"] == "lua" else "client"] += 1
+
+
+async def test_a_decision_whose_scripts_saw_the_known_epoch_sends_no_epoch_read(redis_url, redis_client, hot_path):
+    """Issue 24: on a standalone Redis the admission script reads the epoch itself; a decision
+    whose script saw the epoch this process knows sends no GET of its own (before: one per
+    decision made one at a time)."""
+    table = make_table(redis_client, redis_url, hot_path)
+    await table.refresh_epoch()
+    held: list = []
+
+    async def decisions():
+        for i in range(20):
+            held.append(await table.decide(chat(None)))  # one script each: admit_without_pin on iris-1
+            table.end(held[-1], succeeded=True)
+
+    counts = await epoch_gets(redis_client, table, decisions)
+    assert all(isinstance(h, Held) and h.decision.provider.name == "iris-1" for h in held)
+    assert counts == Counter({"lua": 20})  # one read inside each admission script, none apart
+    assert not table.rebuilding
+    await table.drain()
+
+
+@pytest.mark.parametrize("loss", ["flushall", "new epoch"])
+async def test_redis_losing_its_state_between_two_decisions_is_seen_by_the_next_one(redis_url, redis_client, hot_path, loss):
+    """The next decision after Redis lost its state (a FLUSHALL, or another process having
+    written a new epoch) sees it through its script's epoch, then takes today's path: the shared
+    read writes or adopts the new epoch, what the decision admitted is abandoned, managed pairs
+    wait out the grace (the decision goes to the unlimited tensorx) and the lease held before is
+    adopted into the new epoch."""
+    table = make_table(redis_client, redis_url, hot_path)
+    await table.refresh_epoch()
+    before = await table.decide(chat("a"))
+    assert isinstance(before, Held) and before.decision.provider.name == "iris-1"
+    old = table.epoch
+    if loss == "flushall":
+        await redis_client.flushall()
+    else:
+        seconds, _ = await redis_client.time()
+        await redis_client.set(table._epoch_key, f"0123@{seconds * 1000}:lost")
+    after = await table.decide(chat("b"))
+    assert isinstance(after, Held) and after.decision.provider.name == "tensorx"
+    assert table.rebuilding and table.epoch != old and table.epoch.endswith(":lost")
+    assert (await redis_client.get(table._epoch_key)).decode() == table.epoch
+    assert await wait_for(lambda: _is_zero(table.pending_abandonments))
+    assert await wait_for(lambda: _is(live(redis_client, table), 1))  # only the lease held before, adopted
+    assert await redis_client.exists(table.state.keys.pin("m", "b")) == 0
+    for held in (before, after):
+        table.end(held, succeeded=True)
+    await table.drain()
+
+
+async def test_a_decision_without_a_script_still_reads_the_epoch(redis_url, redis_client):
+    """A decision that runs no script (a request without a session on the unlimited provider
+    only: no lease, nothing admitted) learns the epoch by the shared read, as before."""
+    table = make_table(redis_client, redis_url, providers=small_config_data(redis_url)["providers"][2:])
+    await table.refresh_epoch()
+
+    async def decision():
+        table.end(await table.decide(chat(None)), succeeded=True)
+
+    assert await epoch_gets(redis_client, table, decision) == Counter({"client": 1})
+    await table.drain()
