@@ -394,6 +394,11 @@ def pin_providers(samples: list[Sample], requests: list[TraceRequest]) -> dict[i
     return out
 
 
+def decided_offloads(samples: list[Sample]) -> list[Sample]:
+    """The samples a routing decision sent to the third party (reasons in DECIDED_REASONS)."""
+    return [s for s in samples if s.info.get("provider") == THIRD_PARTY and s.info.get("reason") in DECIDED_REASONS]
+
+
 def needless_offloads(samples: list[Sample], requests: list[TraceRequest], sampler: Sampler,
                       args: argparse.Namespace) -> list[int]:
     """Indexes of requests a routing decision sent to the third party while an own provider that
@@ -417,10 +422,8 @@ def needless_offloads(samples: list[Sample], requests: list[TraceRequest], sampl
                    for name in OWN}
     pins_of = pin_providers(samples, requests)
     out = []
-    for sample in samples:
-        reason = sample.info.get("reason")
-        if sample.info.get("provider") != THIRD_PARTY or reason not in DECIDED_REASONS:
-            continue
+    for sample in decided_offloads(samples):
+        reason = sample.info["reason"]
         start, end = sample.sent, sample.headers
         for name in OWN:
             if reason == "offloaded" and pins_of.get(sample.index) == name:
@@ -455,10 +458,8 @@ def slot_freed_within(samples: list[Sample], requests: list[TraceRequest], sampl
         by_provider[name] = (sorted(s.sent for s in served), sorted(s.done + margin for s in served))
     pins_of = pin_providers(samples, requests)
     out = []
-    for sample in samples:
-        reason = sample.info.get("reason")
-        if sample.info.get("provider") != THIRD_PARTY or reason not in DECIDED_REASONS:
-            continue
+    for sample in decided_offloads(samples):
+        reason = sample.info["reason"]
         start, end = sample.sent, sample.sent + seconds
         for name in OWN:
             starts, ends = by_provider[name]
