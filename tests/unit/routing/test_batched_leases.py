@@ -245,6 +245,39 @@ async def test_k_releases_in_one_loop_turn_go_in_one_call(redis_url, redis_clien
         assert pin is not None and pin.id == held.lease.pin_id
 
 
+async def test_releases_that_met_a_stalled_redis_go_again_and_land(tmp_path, hot_path):
+    """Releases whose call Redis does not answer in time (CLIENT PAUSE WRITE past the socket
+    timeout) are each counted as retried and go again after `retry_seconds`; once Redis answers
+    they land: no lease is left and none is pending."""
+    process = start_redis(tmp_path)
+    url = f"redis://127.0.0.1:{process.port}/0"
+    settings = {"url": url, "key_prefix": "t", "socket_timeout_seconds": 0.1}
+    redis = connect(url, timeout_seconds=0.1)
+    client = None if hot_path is None else open_pipelined(roomy_config(url, redis=settings).redis)
+    control = connect(url, timeout_seconds=2.0)
+    try:
+        table = make_table(redis, url, client, lease_timeout_seconds=30, redis=settings)
+        await table.state.load_scripts()
+        await table.refresh_epoch()
+        helds = await hold(table, 4)
+        retried_before = REGISTRY.get_sample_value("iris_lease_release_retries_total") or 0
+        await control.execute_command("CLIENT", "PAUSE", 600, "WRITE")
+        for held in helds:
+            table.end(held, succeeded=True)
+        assert table.pending_releases == 4
+        assert await wait_for(lambda: REGISTRY.get_sample_value("iris_lease_release_retries_total") - retried_before >= 4)
+        assert await wait_for(lambda: table.pending_releases == 0)
+        assert await control.zcard(table.state.keys.provider_leases("m", "iris-1")) == 0
+        await table.drain()
+    finally:
+        await control.execute_command("CLIENT", "UNPAUSE")
+        await control.aclose()
+        if client is not None:
+            await client.aclose()
+        await redis.aclose()
+        process.stop()
+
+
 async def test_leases_of_two_configs_renew_in_their_own_calls_by_their_own_timeouts(redis_url, redis_client, hot_path):
     """Issue 20 item 1 with batches: after a reload that changed lease_timeout_seconds, each lease
     renews in a call of the config it was admitted under and is extended by that config's
