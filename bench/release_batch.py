@@ -62,8 +62,7 @@ async def release(state: RoutingState, batcher: _ReleaseBatcher, leases: list[Le
     give_up_at = time.monotonic() + 30
     for lease in leases:
         batcher.submit(state, lease, True, give_up_at)
-    await asyncio.sleep(0)  # the loop turn that sends them
-    await asyncio.gather(*list(batcher._calls))
+    await batcher.settled()
     if batcher.unsettled:
         raise RuntimeError(f"{batcher.unsettled} releases not answered")
 

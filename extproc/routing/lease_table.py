@@ -304,6 +304,10 @@ class LeaseTable:
         """Releases asked and not yet answered by Redis nor given up."""
         return self._release_batcher.unsettled
 
+    async def releases_settled(self) -> None:
+        """Return once every release asked so far is answered by Redis or given up."""
+        await self._release_batcher.settled()
+
     # ---- abandoning ---------------------------------------------------------------------
 
     def _abandon(self, request: RoutingRequest, ids: Ids, state: RoutingState, admission: asyncio.Future | None = None) -> None:
@@ -672,11 +676,15 @@ class _ReleaseBatcher:
     state, model) (lua/release.lua, variadic; one model's keys share a hash tag, so one Cluster
     slot), at most MAX_LEASES_PER_CALL leases each. A release whose call failed on Redis goes
     again in `retry_seconds` (seconds), with the next turn's, until its `give_up_at`
-    (time.monotonic() seconds), after which its lease expires by itself in Redis."""
+    (time.monotonic() seconds), after which its lease expires by itself in Redis. After `stop`
+    it takes nothing more."""
 
     def __init__(self, retry_seconds: float) -> None:
         self.retry_seconds = retry_seconds
         self.unsettled = 0  # releases submitted, neither answered nor given up
+        self._settled = asyncio.Event()  # set while nothing is unsettled
+        self._settled.set()
+        self._stopped = False
         self._pending: dict[tuple[int, str], tuple[RoutingState, list[_Release]]] = {}
         self._flush: asyncio.Handle | None = None
         self._calls: set[asyncio.Task] = set()
@@ -685,12 +693,21 @@ class _ReleaseBatcher:
     def submit(self, state: RoutingState, lease: Lease, refresh: bool, give_up_at: float) -> None:
         """Release `lease` through `state` (refreshing the pin when `refresh`) in the next call
         of its group. Needs a running event loop; raises nothing."""
+        if self._stopped:
+            log.warning("lease %s not released (the drain is over), it expires by itself", lease.id)
+            return
         self.unsettled += 1
+        self._settled.clear()
         self._queue(state, _Release(lease, refresh, give_up_at))
+
+    async def settled(self) -> None:
+        """Return once every release submitted so far is answered or given up."""
+        await self._settled.wait()
 
     def stop(self) -> None:
         """Drop what is not sent yet and the retries waiting, cancel the calls under way (the
         drain's end: what they held expires by itself in Redis)."""
+        self._stopped = True
         if self._flush is not None:
             self._flush.cancel()
             self._flush = None
@@ -701,6 +718,14 @@ class _ReleaseBatcher:
         for task in list(self._calls):
             task.cancel()
         self.unsettled = 0
+        self._settled.set()
+
+    def _settle(self, count: int) -> None:
+        if self._stopped:
+            return
+        self.unsettled -= count
+        if not self.unsettled:
+            self._settled.set()
 
     def _queue(self, state: RoutingState, release: _Release) -> None:
         self._pending.setdefault((id(state), release.lease.model), (state, []))[1].append(release)
@@ -719,21 +744,26 @@ class _ReleaseBatcher:
 
     async def _call(self, state: RoutingState, items: list[_Release]) -> None:
         try:
-            await state.release_request_leases([(item.lease, item.refresh) for item in items])
+            answers = await state.release_request_leases([(item.lease, item.refresh) for item in items])
         except REDIS_FAILURES as exc:
             metrics.child(metrics.REDIS_ERRORS, "release").inc()
             for item in items:
                 self._retry_or_give_up(state, item, exc)
             return
         except Exception:
-            self.unsettled -= len(items)
+            self._settle(len(items))
             log.exception("releases of %d leases failed; they expire by themselves", len(items))
             return
-        self.unsettled -= len(items)
+        for item, answer in zip(items, answers):
+            if isinstance(answer, Exception):  # refused by the script itself: going again cannot help
+                log.warning("lease %s not released, it expires by itself: %s", item.lease.id, answer)
+        self._settle(len(items))
 
     def _retry_or_give_up(self, state: RoutingState, item: _Release, exc: Exception) -> None:
+        if self._stopped:
+            return
         if time.monotonic() + self.retry_seconds >= item.give_up_at:
-            self.unsettled -= 1
+            self._settle(1)
             log.warning("lease %s not released, it expires by itself: %s", item.lease.id, exc)
             return
         metrics.RELEASE_RETRIES.inc()
