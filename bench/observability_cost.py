@@ -103,7 +103,7 @@ async def stream_loop(url: str, tracing: dict | None, requests: int, with_redis:
             for message in (REQUEST_HEADERS, REQUEST_BODY, RESPONSE_HEADERS):
                 await processor._handle(stream, message)
             processor._end_stream(stream)
-            await asyncio.gather(*leases._releases)
+            await leases.releases_settled()
         if tracer is not None:
             tracer._provider.force_flush()
         elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu

@@ -6,7 +6,8 @@ renews them all, or releases them all (with the pin refresh a successful request
 `single` is one RoutingState call per lease, all at once (`renew_request_lease` /
 `release_request_lease`, as the lease table did before issue 24); `batched` is what the lease
 table does now: the renewals of a sweep in one `renew_request_leases` call, the releases of one
-loop turn through the table's release batcher (one `release_request_leases` call). Both over
+loop turn handed to the table's release batcher (one `release_request_leases` call; a round ends
+when its calls do, and no lease may be left in Redis). Both over
 redis-py and over the pipelined client (packed, the gateway's default).
 
 Figures per lease, in microseconds: this process's CPU (time.process_time, the admissions
@@ -52,10 +53,18 @@ async def renew(state: RoutingState, leases: list[Lease], mode: str) -> list:
     return await state.renew_request_leases(leases)
 
 
-async def release(state: RoutingState, batcher: _ReleaseBatcher, leases: list[Lease], mode: str) -> list:
+async def release(state: RoutingState, batcher: _ReleaseBatcher, leases: list[Lease], mode: str) -> None:
     if mode == "single":
-        return await asyncio.gather(*(state.release_request_lease(lease, refresh_pin=True) for lease in leases))
-    return await asyncio.gather(*(batcher.release(state, lease, True) for lease in leases))
+        answers = await asyncio.gather(*(state.release_request_lease(lease, refresh_pin=True) for lease in leases))
+        if any(a.result is not Result.RELEASED for a in answers):
+            raise RuntimeError(f"unexpected answers: {sorted({a.result.value for a in answers})}")
+        return
+    give_up_at = time.monotonic() + 30
+    for lease in leases:
+        batcher.submit(state, lease, True, give_up_at)
+    await batcher.settled()
+    if batcher.unsettled:
+        raise RuntimeError(f"{batcher.unsettled} releases not answered")
 
 
 async def measure(url: str, redis_pid: int, client: str, mode: str, operation: str, concurrency: int, leases: int) -> dict:
@@ -65,7 +74,7 @@ async def measure(url: str, redis_pid: int, client: str, mode: str, operation: s
     hot_path = None if client == "redis-py" else open_pipelined(RedisSettings(url=url), timeout_seconds=2.0, max_in_flight=1024)
     state = RoutingState(redis, config, hot_path=hot_path)
     await state.load_scripts()
-    batcher = _ReleaseBatcher()
+    batcher = _ReleaseBatcher(retry_seconds=0.5)
     sessions = [f"{client}-{mode}-{operation}-{i}" for i in range(concurrency)]
     rounds = max(1, leases // concurrency)
     client_cpu = server_cpu = wall = 0.0
@@ -76,16 +85,16 @@ async def measure(url: str, redis_pid: int, client: str, mode: str, operation: s
         started, server_started, wall_started = time.process_time(), cpu_seconds(redis_pid), time.perf_counter()
         if operation == "renewal":
             answers = await renew(state, held, mode)
-            expected = Result.RENEWED
         else:
-            answers = await release(state, batcher, held, mode)
-            expected = Result.RELEASED
+            await release(state, batcher, held, mode)
         if _ > 0:
             client_cpu += time.process_time() - started
             server_cpu += cpu_seconds(redis_pid) - server_started
             wall += time.perf_counter() - wall_started
-        if any(a.result is not expected for a in answers):
+        if operation == "renewal" and any(a.result is not Result.RENEWED for a in answers):
             raise RuntimeError(f"unexpected answers: {sorted({a.result.value for a in answers})}")
+        if operation == "release" and any(await redis.zmscore(state.keys.provider_leases(MODEL, "iris-1"), [h.id for h in held])):
+            raise RuntimeError("a lease is left after its release")
     if operation == "renewal":
         await asyncio.gather(*(state.release_request_lease(lease, refresh_pin=False) for lease in held))
     if hot_path is not None:

@@ -139,8 +139,7 @@ class LeaseTable:
         self._workers: list[asyncio.Task] = []
         self._adoption_wanted: asyncio.Event | None = None  # set when the epoch changed: the adoption worker runs
         self._adoption_pending = False  # leases admitted under an earlier epoch are not all adopted yet
-        self._releases: set[asyncio.Task] = set()
-        self._release_batcher = _ReleaseBatcher()
+        self._release_batcher = _ReleaseBatcher(self.retry_seconds)
         self._sweep_timer: asyncio.TimerHandle | None = None
         self._sweeps: set[asyncio.Task] = set()  # renewal calls under way
 
@@ -295,24 +294,19 @@ class LeaseTable:
                 self._on_pair[(held.lease.provider, held.lease.model)] -= 1
 
     def _spawn_release(self, held: Held, refresh: bool) -> None:
-        task = asyncio.get_running_loop().create_task(self._release(held, refresh))
-        self._releases.add(task)
-        task.add_done_callback(self._releases.discard)
-
-    async def _release(self, held: Held, refresh: bool) -> None:
-        """Release in Redis, retrying while the lease may still count there. The releases asked
-        in one loop turn go out together (_ReleaseBatcher): one script call per model."""
+        """Release in Redis, retried while the lease may still count there (_ReleaseBatcher):
+        the releases asked in one loop turn go out together, one script call per model."""
         give_up_at = max(held.confirmed_at, time.monotonic()) + self._lease_timeout(held)
-        while True:
-            try:
-                await self._release_batcher.release(held.state or self.state, held.lease, refresh)
-                return
-            except REDIS_FAILURES as exc:
-                if time.monotonic() + self.retry_seconds >= give_up_at:
-                    log.warning("lease %s not released, it expires by itself: %s", held.lease.id, exc)
-                    return
-            metrics.RELEASE_RETRIES.inc()
-            await asyncio.sleep(self.retry_seconds)
+        self._release_batcher.submit(held.state or self.state, held.lease, refresh, give_up_at)
+
+    @property
+    def pending_releases(self) -> int:
+        """Releases asked and not yet answered by Redis nor given up."""
+        return self._release_batcher.unsettled
+
+    async def releases_settled(self) -> None:
+        """Return once every release asked so far is answered by Redis or given up."""
+        await self._release_batcher.settled()
 
     # ---- abandoning ---------------------------------------------------------------------
 
@@ -657,10 +651,9 @@ class LeaseTable:
         for held in list(self._held):
             self.end(held, succeeded=False)
         deadline = time.monotonic() + within_seconds
-        while (self._releases or self.pending_abandonments) and time.monotonic() < deadline:
+        while (self.pending_releases or self.pending_abandonments) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        for task in list(self._releases):
-            task.cancel()
+        self._release_batcher.stop()
         if self._sweep_timer is not None:
             self._sweep_timer.cancel()
         for task in list(self._sweeps):
@@ -681,24 +674,63 @@ def _loop_time(monotonic_seconds: float) -> float:
 class _ReleaseBatcher:
     """The releases asked in one event-loop turn, sent together: one script call per (routing
     state, model) (lua/release.lua, variadic; one model's keys share a hash tag, so one Cluster
-    slot), at most MAX_LEASES_PER_CALL leases each. Each release gets its own answer, or the
-    error of its call."""
+    slot), at most MAX_LEASES_PER_CALL leases each. A release whose call failed on Redis goes
+    again in `retry_seconds` (seconds), with the next turn's, until its `give_up_at`
+    (time.monotonic() seconds), after which its lease expires by itself in Redis. After `stop`
+    it takes nothing more."""
 
-    def __init__(self) -> None:
-        self._pending: dict[tuple[int, str], tuple[RoutingState, list[tuple[Lease, bool, asyncio.Future]]]] = {}
+    def __init__(self, retry_seconds: float) -> None:
+        self.retry_seconds = retry_seconds
+        self.unsettled = 0  # releases submitted, neither answered nor given up
+        self._settled = asyncio.Event()  # set while nothing is unsettled
+        self._settled.set()
+        self._stopped = False
+        self._pending: dict[tuple[int, str], tuple[RoutingState, list[_Release]]] = {}
         self._flush: asyncio.Handle | None = None
         self._calls: set[asyncio.Task] = set()
+        self._retries: set[asyncio.TimerHandle] = set()
 
-    async def release(self, state: RoutingState, lease: Lease, refresh: bool) -> LeaseUpdate:
-        """Release `lease` through `state` (refreshing the pin when `refresh`), in the next call
-        of its group. Raises RedisError as `RoutingState.release_request_leases`."""
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
-        future.add_done_callback(_retrieve)  # a release cancelled by the drain leaves no unread error
-        self._pending.setdefault((id(state), lease.model), (state, []))[1].append((lease, refresh, future))
+    def submit(self, state: RoutingState, lease: Lease, refresh: bool, give_up_at: float) -> None:
+        """Release `lease` through `state` (refreshing the pin when `refresh`) in the next call
+        of its group. Needs a running event loop; raises nothing."""
+        if self._stopped:
+            log.warning("lease %s not released (the drain is over), it expires by itself", lease.id)
+            return
+        self.unsettled += 1
+        self._settled.clear()
+        self._queue(state, _Release(lease, refresh, give_up_at))
+
+    async def settled(self) -> None:
+        """Return once every release submitted so far is answered or given up."""
+        await self._settled.wait()
+
+    def stop(self) -> None:
+        """Drop what is not sent yet and the retries waiting, cancel the calls under way (the
+        drain's end: what they held expires by itself in Redis)."""
+        self._stopped = True
+        if self._flush is not None:
+            self._flush.cancel()
+            self._flush = None
+        self._pending.clear()
+        for handle in self._retries:
+            handle.cancel()
+        self._retries.clear()
+        for task in list(self._calls):
+            task.cancel()
+        self.unsettled = 0
+        self._settled.set()
+
+    def _settle(self, count: int) -> None:
+        if self._stopped:
+            return
+        self.unsettled -= count
+        if not self.unsettled:
+            self._settled.set()
+
+    def _queue(self, state: RoutingState, release: _Release) -> None:
+        self._pending.setdefault((id(state), release.lease.model), (state, []))[1].append(release)
         if self._flush is None:
-            self._flush = loop.call_soon(self._send)
-        return await future
+            self._flush = asyncio.get_running_loop().call_soon(self._send)
 
     def _send(self) -> None:
         self._flush = None
@@ -710,30 +742,46 @@ class _ReleaseBatcher:
                 self._calls.add(task)
                 task.add_done_callback(self._calls.discard)
 
-    @staticmethod
-    async def _call(state: RoutingState, items: list[tuple[Lease, bool, asyncio.Future]]) -> None:
+    async def _call(self, state: RoutingState, items: list[_Release]) -> None:
         try:
-            answers = await state.release_request_leases([(lease, refresh) for lease, refresh, _ in items])
-        except asyncio.CancelledError:
-            for _, _, future in items:
-                future.cancel()
-            raise
-        except Exception as exc:  # noqa: BLE001 (every waiter learns how its call ended)
-            if isinstance(exc, REDIS_FAILURES):
-                metrics.child(metrics.REDIS_ERRORS, "release").inc()
-            answers = [exc] * len(items)
-        for (_, _, future), answer in zip(items, answers):
-            if future.done():
-                continue
-            if isinstance(answer, BaseException):
-                future.set_exception(answer)
-            else:
-                future.set_result(answer)
+            answers = await state.release_request_leases([(item.lease, item.refresh) for item in items])
+        except REDIS_FAILURES as exc:
+            metrics.child(metrics.REDIS_ERRORS, "release").inc()
+            for item in items:
+                self._retry_or_give_up(state, item, exc)
+            return
+        except Exception:
+            self._settle(len(items))
+            log.exception("releases of %d leases failed; they expire by themselves", len(items))
+            return
+        for item, answer in zip(items, answers):
+            if isinstance(answer, Exception):  # refused by the script itself: going again cannot help
+                log.warning("lease %s not released, it expires by itself: %s", item.lease.id, answer)
+        self._settle(len(items))
+
+    def _retry_or_give_up(self, state: RoutingState, item: _Release, exc: Exception) -> None:
+        if self._stopped:
+            return
+        if time.monotonic() + self.retry_seconds >= item.give_up_at:
+            self._settle(1)
+            log.warning("lease %s not released, it expires by itself: %s", item.lease.id, exc)
+            return
+        metrics.RELEASE_RETRIES.inc()
+        handle: asyncio.TimerHandle | None = None
+
+        def again() -> None:
+            self._retries.discard(handle)
+            self._queue(state, item)
+
+        handle = asyncio.get_running_loop().call_later(self.retry_seconds, again)
+        self._retries.add(handle)
 
 
-def _retrieve(future: asyncio.Future) -> None:
-    if not future.cancelled():
-        future.exception()
+@dataclass(frozen=True, slots=True)
+class _Release:
+    lease: Lease
+    refresh: bool
+    give_up_at: float  # time.monotonic() seconds
 
 
 def _text(raw: bytes | str) -> str:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from extproc.config import AdmissionQueue
@@ -44,13 +44,14 @@ class DecisionAbandoned(Exception):
 class QueuePolicy:
     """`routing.queue` as routing reads it (docs/queue.md)."""
 
-    def __init__(self, settings: AdmissionQueue):
+    def __init__(self, settings: AdmissionQueue, models: Iterable[str]):
         self.settings = settings
         self._classes = {c.name: (rank, c) for rank, c in enumerate(settings.classes)}
+        self._enabled = frozenset(m for m in models if settings.enabled(m))
 
     def enabled(self, model: str) -> bool:
-        """Whether the queue is on for `model` (some class may wait)."""
-        return self.settings.enabled(model)
+        """Whether the queue is on for `model` (some class may wait), one of the config's models."""
+        return model in self._enabled
 
     def class_for(self, header_value: str | None, identity: str) -> str:
         """A request's class: the trusted class header's value when it names a class, else the

@@ -19,7 +19,7 @@ from extproc.config import Config, Provider, ProviderKind
 from extproc.routing.degraded import DegradedFlags
 from extproc.routing.previous_provider import PreviousProviders
 from extproc.routing.queue import DecisionAbandoned, QueuePolicy, Ticket, Wakeups
-from extproc.routing.state import Admission, Lease, Pin, PinMatch, Result, RoutingState, new_id
+from extproc.routing.state import Admission, Lease, Pin, PinMatch, Result, RoutingState, new_id_pair
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +103,7 @@ class Ids:
 
     @classmethod
     def fresh(cls) -> Ids:
-        return cls(new_id(), new_id())
+        return cls(*new_id_pair())
 
 
 class _Retry:
@@ -137,7 +137,7 @@ class Router:
         self._by_name = {p.name: p for p in self._providers}
         prefer = config.routing.prefer_previous_provider
         self.previous = PreviousProviders(prefer.remember_seconds, prefer.max_sessions) if prefer.enabled else None
-        self.queue = QueuePolicy(config.routing.queue)
+        self.queue = QueuePolicy(config.routing.queue, config.models())
         self.wakeups = wakeups if wakeups is not None else Wakeups()
 
     def queue_wait_seconds(self, request: RoutingRequest) -> float:

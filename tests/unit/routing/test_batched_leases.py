@@ -7,6 +7,7 @@ Script calls are counted with `INFO commandstats` (cmdstat_evalsha)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 from prometheus_client import REGISTRY
@@ -191,10 +192,10 @@ async def test_n_leases_renew_in_one_call_per_sweep_and_a_lost_one_among_them_is
     await table.drain()
 
 
-async def test_a_failed_sweep_keeps_the_requests_running_and_the_renewals_going(tmp_path, hot_path):
-    """A sweep whose call Redis does not answer in time (CLIENT PAUSE WRITE: the renewal script
-    stalls past the socket timeout) is a failed renewal of every lease in it, counted once by the
-    breaker; the sweeps go on, the next answered ones renew (or adopt) every lease, none is lost."""
+@contextlib.asynccontextmanager
+async def table_on_own_redis(tmp_path, hot_path, lease_timeout_seconds: float):
+    """(a lease table with 4 leases held on a Redis of its own whose socket timeout is 0.1 s, a
+    control client with a 2 s timeout, to pause that Redis); everything stopped afterwards."""
     process = start_redis(tmp_path)
     url = f"redis://127.0.0.1:{process.port}/0"
     settings = {"url": url, "key_prefix": "t", "socket_timeout_seconds": 0.1}
@@ -202,10 +203,24 @@ async def test_a_failed_sweep_keeps_the_requests_running_and_the_renewals_going(
     client = None if hot_path is None else open_pipelined(roomy_config(url, redis=settings).redis)
     control = connect(url, timeout_seconds=2.0)
     try:
-        table = make_table(redis, url, client, lease_timeout_seconds=0.9, redis=settings)
+        table = make_table(redis, url, client, lease_timeout_seconds=lease_timeout_seconds, redis=settings)
         await table.state.load_scripts()
         await table.refresh_epoch()
-        helds = await hold(table, 4)
+        yield table, await hold(table, 4), control
+    finally:
+        await control.execute_command("CLIENT", "UNPAUSE")
+        await control.aclose()
+        if client is not None:
+            await client.aclose()
+        await redis.aclose()
+        process.stop()
+
+
+async def test_a_failed_sweep_keeps_the_requests_running_and_the_renewals_going(tmp_path, hot_path):
+    """A sweep whose call Redis does not answer in time (CLIENT PAUSE WRITE: the renewal script
+    stalls past the socket timeout) is a failed renewal of every lease in it, counted once by the
+    breaker; the sweeps go on, the next answered ones renew (or adopt) every lease, none is lost."""
+    async with table_on_own_redis(tmp_path, hot_path, lease_timeout_seconds=0.9) as (table, helds, control):
         failed_before = renewals("failed")
         seen_before = table.breaker.failures_seen
         await control.execute_command("CLIENT", "PAUSE", 400, "WRITE")
@@ -220,13 +235,6 @@ async def test_a_failed_sweep_keeps_the_requests_running_and_the_renewals_going(
         for held in helds:
             table.end(held, succeeded=True)
         await table.drain()
-    finally:
-        await control.execute_command("CLIENT", "UNPAUSE")
-        await control.aclose()
-        if client is not None:
-            await client.aclose()
-        await redis.aclose()
-        process.stop()
 
 
 async def test_k_releases_in_one_loop_turn_go_in_one_call(redis_url, redis_client, hot_path):
@@ -243,6 +251,22 @@ async def test_k_releases_in_one_loop_turn_go_in_one_call(redis_url, redis_clien
     for held in helds:  # each pin refreshed and kept, as a single release with refresh does
         pin = await table.state.get_pin("m", held.decision.lease.session_id)
         assert pin is not None and pin.id == held.lease.pin_id
+
+
+async def test_releases_that_met_a_stalled_redis_go_again_and_land(tmp_path, hot_path):
+    """Releases whose call Redis does not answer in time (CLIENT PAUSE WRITE past the socket
+    timeout) are each counted as retried and go again after `retry_seconds`; once Redis answers
+    they land: no lease is left and none is pending."""
+    async with table_on_own_redis(tmp_path, hot_path, lease_timeout_seconds=30) as (table, helds, control):
+        retried_before = REGISTRY.get_sample_value("iris_lease_release_retries_total") or 0
+        await control.execute_command("CLIENT", "PAUSE", 600, "WRITE")
+        for held in helds:
+            table.end(held, succeeded=True)
+        assert table.pending_releases == 4
+        assert await wait_for(lambda: REGISTRY.get_sample_value("iris_lease_release_retries_total") - retried_before >= 4)
+        assert await wait_for(lambda: table.pending_releases == 0)
+        assert await control.zcard(table.state.keys.provider_leases("m", "iris-1")) == 0
+        await table.drain()
 
 
 async def test_leases_of_two_configs_renew_in_their_own_calls_by_their_own_timeouts(redis_url, redis_client, hot_path):

@@ -380,8 +380,7 @@ async def test_a_decision_whose_scripts_saw_the_known_epoch_sends_no_epoch_read(
         for i in range(20):
             held.append(await table.decide(chat(None)))  # one script each: admit_without_pin on iris-1
             table.end(held[-1], succeeded=True)
-            while table._releases:  # released before the next decision: iris-1 never fills up
-                await asyncio.sleep(0.001)
+            await table.releases_settled()  # released before the next decision: iris-1 never fills up
 
     counts = await epoch_gets(redis_client, table, decisions)
     assert all(isinstance(h, Held) and h.decision.provider.name == "iris-1" for h in held)
