@@ -99,19 +99,19 @@ def upstream_unreachable(request: ProcessingRequest) -> str | None:
 def header_mutation(set_headers: dict[str, str] | None = None, remove: list[str] | None = None) -> HeaderMutation:
     """A HeaderMutation that overwrites `set_headers` and removes `remove`."""
     return HeaderMutation(
-        set_headers=[
-            HeaderValueOption(header=HeaderValue(key=k, raw_value=v.encode()), append_action=_OVERWRITE)
-            for k, v in (set_headers or {}).items()
-        ],
+        set_headers=[_overwrite(k, v) for k, v in (set_headers or {}).items()],
         remove_headers=remove or [],
     )
 
 
-@lru_cache(maxsize=1024)
-def _header_option(key: str, value: str) -> HeaderValueOption:
-    """The option that overwrites header `key` with `value`, built once per pair (the routing
-    header and a cluster's name: bounded by the config). Shared: appended as a copy."""
+def _overwrite(key: str, value: str) -> HeaderValueOption:
+    """The option that overwrites header `key` with `value`."""
     return HeaderValueOption(header=HeaderValue(key=key, raw_value=value.encode()), append_action=_OVERWRITE)
+
+
+# `_overwrite` built once per pair (the routing header and a cluster's name: bounded by the
+# config). Shared: appended as a copy.
+_header_option = lru_cache(maxsize=1024)(_overwrite)
 
 
 def continue_request_headers(remove: list[str]) -> ProcessingResponse:

@@ -111,7 +111,6 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
         self._chain_refreshes: set[asyncio.Task] = set()
         self._routing_header = live.config.server.routing_header  # restart-only: Envoy must agree
         self._client_may_not_send = [self._routing_header, live.config.server.affinity_header]
-        self._request_headers_answer = msg.continue_request_headers(remove=self._client_may_not_send)  # restart-only: built once
 
     def apply(self, live: LiveConfig) -> None:
         """Take a new live config: streams whose body arrives from now on decide with it."""
@@ -210,7 +209,7 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
             return answers.request_error(exc)
         except ValueError:
             return answers.request_error(RequestError(400, "invalid content-length", "invalid_header"))
-        return self._request_headers_answer
+        return msg.continue_request_headers(remove=self._client_may_not_send)
 
     async def _on_request_body(self, stream: StreamState, request: ProcessingRequest) -> ProcessingResponse:
         if stream.lookup is not None:  # routed with its headers

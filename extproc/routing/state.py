@@ -445,16 +445,14 @@ class RoutingState:
     async def renew_request_lease(self, lease: Lease, *, now_ms: int | None = None) -> LeaseUpdate:
         """Extend a live lease by the lease timeout: RENEWED, or LEASE_LOST if it had expired."""
         args = [lease.provider, lease.id, lease.pin_id or ""]
-        reply = await self._call("renew", lease.model, lease.session_id or "", args, now_ms)
-        return LeaseUpdate(Result(_text(reply[0])), _int_or_none(reply[7]), int(reply[1]))
+        return _renewal(await self._call("renew", lease.model, lease.session_id or "", args, now_ms))
 
     async def release_request_lease(
         self, lease: Lease, refresh_pin: bool, *, now_ms: int | None = None
     ) -> LeaseUpdate:
         """Release a lease; with `refresh_pin` the pin's inactivity deadline restarts. Idempotent."""
         args = [lease.provider, lease.id, lease.pin_id or "", "1" if refresh_pin else "0"]
-        reply = await self._call("release", lease.model, lease.session_id or "", args, now_ms)
-        return LeaseUpdate(Result(_text(reply[0])), None, int(reply[1]))
+        return _release(await self._call("release", lease.model, lease.session_id or "", args, now_ms))
 
     async def renew_request_leases(self, leases: Sequence[Lease], *, now_ms: int | None = None) -> list[LeaseUpdate | RedisError]:
         """Renew several leases of one model in one script call (lua/renew.lua with a lease per
@@ -465,7 +463,7 @@ class RoutingState:
         were)."""
         args = [arg for lease in leases for arg in (lease.provider, lease.id, lease.pin_id or "")]
         replies = await self._call_many("renew", leases, args, now_ms)
-        return [r if isinstance(r, RedisError) else LeaseUpdate(Result(_text(r[0])), _int_or_none(r[7]), int(r[1])) for r in replies]
+        return [r if isinstance(r, RedisError) else _renewal(r) for r in replies]
 
     async def release_request_leases(
         self, releases: Sequence[tuple[Lease, bool]], *, now_ms: int | None = None
@@ -480,7 +478,7 @@ class RoutingState:
             arg for lease, refresh in releases for arg in (lease.provider, lease.id, lease.pin_id or "", "1" if refresh else "0")
         ]
         replies = await self._call_many("release", [lease for lease, _ in releases], args, now_ms)
-        return [r if isinstance(r, RedisError) else LeaseUpdate(Result(_text(r[0])), None, int(r[1])) for r in replies]
+        return [r if isinstance(r, RedisError) else _release(r) for r in replies]
 
     async def _call_many(self, script: str, leases: Sequence[Lease], op_args: list[object], now_ms: int | None) -> list:
         """One call of the variadic `script` (renew or release) for `leases` (one model: one hash
@@ -671,6 +669,16 @@ def _limits_args(config: Config, model: str, providers: list[Provider]) -> list[
 
 def _limit(value: int | None) -> int:
     return NO_LIMIT if value is None else value
+
+
+def _renewal(reply: list) -> LeaseUpdate:
+    """A renew.lua answer for one lease."""
+    return LeaseUpdate(Result(_text(reply[0])), _int_or_none(reply[7]), int(reply[1]))
+
+
+def _release(reply: list) -> LeaseUpdate:
+    """A release.lua answer for one lease."""
+    return LeaseUpdate(Result(_text(reply[0])), None, int(reply[1]))
 
 
 def _text(value: bytes | str) -> str:
