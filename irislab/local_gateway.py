@@ -342,6 +342,7 @@ class LocalGateway(StartedTogether):
         for extproc in extprocs:
             for port in extproc.extra["ports"]:
                 _wait_until_up(extproc, port)
+            _wait_until_up(extproc, extproc.extra["metrics_port"])
         envoy = self._track(spawn(
             f"envoy-{index}",
             [envoy_binary(), "-c", str(envoy_path), "-l", "warning", "--concurrency", str(self.envoy_concurrency), "--disable-hot-restart",

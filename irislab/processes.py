@@ -21,8 +21,24 @@ class ProcessError(RuntimeError):
     """A process could not be found, started, or did not become ready in time."""
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
+# Ports this process has handed out. A port is free only until the process it was picked for
+# binds it, and the lab picks several before any of them binds (simulators start while the
+# ext_proc servers' ports are picked): the kernel may offer a closed port again meanwhile.
+_handed_out: set[int] = set()
+
+
+def free_port(attempts: int = 100) -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago and that this process has not handed out
+    before. Raises ProcessError after `attempts` offers of the kernel all handed out already."""
+    for _ in range(attempts):
+        port = _kernel_free_port()
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
+    raise ProcessError(f"the kernel offered only ports handed out already, {attempts} times")
+
+
+def _kernel_free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -30,24 +46,26 @@ def free_port() -> int:
 
 def free_port_range(count: int, attempts: int = 50) -> int:
     """The first of `count` consecutive TCP ports on 127.0.0.1 that were all free a moment ago
-    (`serve` with `server.workers` N binds its port and the next N - 1). Raises ProcessError
-    after `attempts` tries."""
+    and none handed out before by this process (`serve` with `server.workers` N binds its port
+    and the next N - 1). Raises ProcessError after `attempts` tries."""
     for _ in range(attempts):
-        first = free_port()
-        if first + count - 1 > 65535:
+        first = _kernel_free_port()
+        ports = range(first, first + count)
+        if first + count - 1 > 65535 or _handed_out.intersection(ports):
             continue
         held: list[socket.socket] = []
         try:
-            for port in range(first, first + count):
+            for port in ports:
                 sock = socket.socket()
                 held.append(sock)
                 sock.bind(("127.0.0.1", port))
-            return first
         except OSError:
             continue
         finally:
             for sock in held:
                 sock.close()
+        _handed_out.update(ports)
+        return first
     raise ProcessError(f"found no {count} consecutive free ports on 127.0.0.1 in {attempts} tries")
 
 

@@ -24,6 +24,7 @@ from prometheus_client.registry import Collector
 
 from extproc.metrics import KIND, LOCAL_LEASES, MODEL, REDIS_BREAKER_OPEN, REDIS_ERRORS
 from extproc.operations.fleet_state import CachedFleetState, FleetState
+from extproc.operations.ports import ListenError
 from extproc.routing.degraded import SOURCES
 from extproc.storage.client import REDIS_FAILURES
 
@@ -148,6 +149,10 @@ def metrics_registry(fleet: CachedFleetState | None = None) -> CollectorRegistry
 
 def start_metrics_server(listen: str, registry: CollectorRegistry):
     """Serve `registry` (see `metrics_registry`) on http://`listen`/metrics ("host:port") from a
-    background thread. Returns prometheus-client's (server, thread); `server.shutdown()` stops it."""
+    background thread. Returns prometheus-client's (server, thread); `server.shutdown()` stops it.
+    Raises ports.ListenError when `listen` cannot be bound (taken, or not an address of this host)."""
     host, _, port = listen.rpartition(":")
-    return start_http_server(int(port), addr=host or "127.0.0.1", registry=registry)
+    try:
+        return start_http_server(int(port), addr=host.strip("[]") or "127.0.0.1", registry=registry)
+    except OSError as exc:
+        raise ListenError(f"cannot serve metrics on {listen} ({exc.strerror or exc})") from None

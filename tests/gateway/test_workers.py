@@ -218,3 +218,21 @@ def test_a_taken_port_stops_the_start_naming_it(tmp_path):
     assert lines[-1] == (f"iris-extproc: cannot listen on 127.0.0.1:{first + 1} (Address already in use): 2 workers listen on "
                          f"127.0.0.1:{first} to 127.0.0.1:{first + 1}, one port each"), result.stderr
     assert "Traceback" not in result.stderr and "supervising" not in result.stderr
+
+
+def test_a_taken_metrics_port_stops_the_server_naming_it(tmp_path):
+    """`server.metrics_listen` is taken: `serve` exits 2 with one line naming the address, no
+    traceback, and leaves nothing running (the gRPC server it had started is drained)."""
+    first = free_port_range(2)
+    config = gateway_config(server={"listen": f"127.0.0.1:{first}", "metrics_listen": f"127.0.0.1:{first + 1}"})
+    config_path = tmp_path / "routing.yaml"
+    config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", first + 1))
+        holder.listen()
+        result = subprocess.run([sys.executable, "-m", "extproc.cli", "serve", "--config", str(config_path)], capture_output=True,
+                                text=True, timeout=60, env={**os.environ, "IRIS_SESSION_SECRET": secrets.token_hex(32)})
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1] == f"iris-extproc: cannot serve metrics on 127.0.0.1:{first + 1} (Address already in use)", result.stderr
+    assert "Traceback" not in result.stderr

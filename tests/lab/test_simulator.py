@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ import httpx
 import orjson
 import pytest
 
+from irislab.processes import free_port
 from irislab.simulator import SimulatorConfig, decode_token_ms, start_simulator
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -461,12 +461,6 @@ async def test_embeddings_shape() -> None:
     assert vectors[0] == vectors[2] != vectors[1]
     assert single["data"][0]["embedding"] == vectors[1]
     assert body["usage"]["prompt_tokens"] == 5
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_cli_serves_and_exits_on_sigterm() -> None:
