@@ -61,7 +61,7 @@ def test_redis_restarted_empty_while_ten_streams_run(tmp_path):
     gateway = start_gateway(tmp_path, lease_timeout_seconds=LEASE_TIMEOUT)
     try:
         out: dict = {}
-        threads = [stream_in_thread(gateway.url, f"user-{i}", 150, out) for i in range(10)]  # 150 x 20 ms: 3 s
+        threads = [stream_in_thread(gateway.url, f"user-{i}", 300, out) for i in range(10)]  # 300 x 20 ms: 6 s
         assert wait_until(lambda: live_leases(redis_client(gateway)) == 10, within_seconds=10)
         gateway.stop_redis()
         gateway.start_redis_again()  # empty

@@ -10,6 +10,7 @@ the decision timeout (2 s): many request lengths."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import aiohttp
@@ -25,6 +26,7 @@ OFF = "no-queue"  # the same limits as MODEL, the queue off: the control
 PREFIX = "q"
 MAX_WAIT_MS = 2800
 TOKENS = 6
+HOLD = 1000  # a holder's stream: 20 s, ended by the client once the queue is full, not by its length
 
 
 def queue_config() -> dict:
@@ -144,6 +146,13 @@ def nothing_left(gateway: LocalGateway, models=(MODEL, SERIAL, OFF)) -> bool:
         lambda: sum(client.zcard(f"{{{PREFIX}:{m}}}:tickets") for m in models) == 0, within_seconds=5.0) is True
 
 
+async def hang_up(request: asyncio.Task) -> None:
+    """The client of `request` (a `Client.send`) closes its connection now: its lease is released."""
+    request.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await request
+
+
 async def _until(predicate, seconds: float = 10.0) -> bool:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
@@ -176,21 +185,21 @@ def test_a_burst_above_own_capacity_waits_for_own_slots(fresh):
 def test_across_two_proxies_the_slot_goes_in_the_queues_order(fresh):
     """One own slot, held by a long stream; six requests join the queue one after the other,
     alternately through each proxy. The queue in Redis holds them in that order, and that is the
-    order in which they reach the provider once the slot frees: no newcomer of either proxy
-    passes a waiter."""
+    order in which they reach the provider once the slot frees (the stream's client hangs up):
+    no newcomer of either proxy passes a waiter."""
     gateway = fresh
     users = [f"w{i}" for i in range(6)]
 
     async def scenario() -> tuple[list[str], list[dict]]:
         async with Client(gateway) as client:
-            holder = asyncio.create_task(client.send("holder", model=SERIAL, tokens=40, stream=True))
+            holder = asyncio.create_task(client.send("holder", model=SERIAL, tokens=HOLD, stream=True))
             assert await _until(lambda: in_flight(gateway, SERIAL) == 1)
             waiters = []
             for i, user in enumerate(users):
                 waiters.append(asyncio.create_task(client.send(user, instance=i % 2, model=SERIAL)))
                 assert await _until(lambda: tickets(gateway, SERIAL) == i + 1)
             order = await asyncio.to_thread(queued_users, gateway, users, SERIAL)
-            await holder
+            await hang_up(holder)
             return order, await asyncio.gather(*waiters)
 
     order, records = asyncio.run(scenario())
@@ -237,21 +246,22 @@ def test_two_tenants_with_demand_ten_to_one_share_the_slots_fairly(fresh):
 
 def test_a_proxy_killed_with_queued_requests_leaves_no_ghost_ahead_of_live_waiters(tmp_path):
     """Two long streams hold both own slots; six requests wait, three on each proxy, alternately.
-    One proxy's ext_proc server is SIGKILLed: its tickets stop counting when their lease ends
-    (900 ms), so every waiter of the other proxy is served by the own provider, within its wait,
+    One proxy's ext_proc server is SIGKILLed and the streams' clients hang up: the dead proxy's
+    tickets stop counting when their lease ends (900 ms), so every waiter of the other proxy is served by the own provider, within its wait,
     and Redis keeps no ticket and no lease."""
     gateway = start(tmp_path)
     try:
         async def scenario() -> list[dict]:
             async with Client(gateway) as client:
-                holders = [asyncio.create_task(client.send(f"holder{i}", instance=1, tokens=40, stream=True)) for i in range(2)]
+                holders = [asyncio.create_task(client.send(f"holder{i}", instance=1, tokens=HOLD, stream=True)) for i in range(2)]
                 assert await _until(lambda: in_flight(gateway, MODEL) == 2)
                 waiters = []
                 for i in range(6):
                     waiters.append(asyncio.create_task(client.send(f"w{i}", instance=i % 2)))
                     assert await _until(lambda: tickets(gateway) == i + 1)
                 gateway.running[0].extproc.kill()
-                await asyncio.gather(*holders)
+                for holder in holders:
+                    await hang_up(holder)
                 return await asyncio.gather(*waiters)
 
         records = asyncio.run(scenario())
@@ -274,7 +284,7 @@ def test_a_redis_restart_with_a_full_queue_answers_every_waiter_and_loses_no_slo
     try:
         async def scenario() -> tuple[list[dict], list[dict]]:
             async with Client(gateway) as client:
-                holders = [asyncio.create_task(client.send(f"holder{i}", instance=i % 2, tokens=60, stream=True)) for i in range(2)]
+                holders = [asyncio.create_task(client.send(f"holder{i}", instance=i % 2, tokens=200, stream=True)) for i in range(2)]
                 assert await _until(lambda: in_flight(gateway, MODEL) == 2)
                 waiters = []
                 for i in range(6):

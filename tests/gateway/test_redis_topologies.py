@@ -434,7 +434,7 @@ def live_leases(client) -> int:
 
 
 def run_failover(gateway: LocalGateway, kill, wait_for_failover, client, probe_model: str) -> dict:
-    """Long streams from both instances; `kill()` SIGKILLs the primary 2 s in; the load runs on
+    """Long streams from both instances; `kill()` SIGKILLs the primary 1 s in; the load runs on
     across the failover, and probes of `probe_model` (same shard) see when shared routing is
     back. `client()`: a sync client of the topology as it is now. Checks what must hold and
     returns the figures."""
@@ -449,7 +449,7 @@ def run_failover(gateway: LocalGateway, kill, wait_for_failover, client, probe_m
     prober = threading.Thread(target=probe_until, args=(gateway, probe_model, stop_probes, probes))
     thread.start()
     prober.start()
-    time.sleep(2.0)
+    time.sleep(1.0)  # the first streams (6 s) are under way, and outlast a failover of up to 5 s
     killed_at = time.monotonic()
     kill()
     wait_for_failover()
