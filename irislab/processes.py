@@ -38,6 +38,15 @@ def free_port(attempts: int = 100) -> int:
     raise ProcessError(f"the kernel offered only ports handed out already, {attempts} times")
 
 
+def hand_out(ports: range) -> bool:
+    """Record `ports` (picked by the caller, free a moment ago) as handed out, unless one of them
+    was handed out before: then False, and nothing is recorded."""
+    if _handed_out.intersection(ports):
+        return False
+    _handed_out.update(ports)
+    return True
+
+
 def _kernel_free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -64,7 +73,7 @@ def free_port_range(count: int, attempts: int = 50) -> int:
         finally:
             for sock in held:
                 sock.close()
-        _handed_out.update(ports)
+        hand_out(ports)
         return first
     raise ProcessError(f"found no {count} consecutive free ports on 127.0.0.1 in {attempts} tries")
 

@@ -18,7 +18,17 @@ from pathlib import Path
 
 import redis
 
-from irislab.processes import ManagedProcess, ProcessError, StartedTogether, redis_cli_binary, redis_server_binary, spawn, start_redis, wait_for_port
+from irislab.processes import (
+    ManagedProcess,
+    ProcessError,
+    StartedTogether,
+    hand_out,
+    redis_cli_binary,
+    redis_server_binary,
+    spawn,
+    start_redis,
+    wait_for_port,
+)
 
 SERVICE_NAME = "iris-primary"
 
@@ -33,11 +43,12 @@ def _port_free(port: int) -> bool:
 
 
 def cluster_port() -> int:
-    """A port P such that P and its cluster bus port P + 10000 were both free a moment ago."""
+    """A port P such that P and its cluster bus port P + 10000 were both free a moment ago, and
+    neither was handed out before by this process (processes.hand_out)."""
     rng = random.Random()
     for _ in range(200):
         port = rng.randrange(20000, 45000)
-        if _port_free(port) and _port_free(port + 10000):
+        if _port_free(port) and _port_free(port + 10000) and hand_out(range(port, port + 10001, 10000)):
             return port
     raise ProcessError("no free pair of ports for a cluster node")
 
