@@ -155,9 +155,15 @@ def main(argv: list[str] | None = None) -> int:
 def run_command(prog: str, func: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
     """`func(args)`'s exit code; a routing config or Envoy file that cannot be used is printed
     without a traceback (a bad routing config: one line per problem, others prefixed by `prog`)
-    and gives 2."""
+    and gives 2. A reader of standard output that went away (`| head`) ends the command quietly
+    with 1 (the recipe of Python's `signal` documentation: "Note on SIGPIPE")."""
     try:
-        return func(args)
+        code = func(args)
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the flush at exit fails no more
+        return 1
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 2

@@ -83,6 +83,8 @@ def _up(args) -> int:
         kept = "kept on exit" if args.keep_work_dir else "removed on exit: --keep-work-dir keeps it"
         print(f"gateway up: {gateway.url}/v1  (Redis {gateway.redis_url}, logs in {gateway.work_dir}, {kept})", flush=True)
         print(f"routing config: {instance.config_path} (use it with status, drain, check; edit it to see a hot reload)", flush=True)
+        print(f"Envoy file: {instance.envoy_path} (the bootstrap Envoy runs: check --config <routing config> --envoy <this file>)",
+              flush=True)
         print(f"metrics: {instance.metrics_url}  Envoy admin: http://127.0.0.1:{instance.admin_port} "
               "(/stats, /clusters, /config_dump, /server_info)", flush=True)
         if args.demo:

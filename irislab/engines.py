@@ -16,6 +16,7 @@ in a slot reports those prompt tokens in `usage.prompt_tokens_details.cached_tok
 
 from __future__ import annotations
 
+import argparse
 import fcntl
 import os
 import shutil
@@ -244,11 +245,12 @@ class LlamaServer:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m irislab.engines build`: build llama-server and fetch the model unless both are
-    in the cache; prints their paths."""
-    args = sys.argv[1:] if argv is None else argv
-    if args != ["build"]:
-        print("usage: python -m irislab.engines build", file=sys.stderr)
-        return 2
+    in the cache; prints their paths. Exit code 1 when either fails, 2 for a bad command line."""
+    parser = argparse.ArgumentParser(prog="python -m irislab.engines", description="the real engines the tests and benchmarks run")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    commands.add_parser("build", help=f"build llama.cpp's llama-server and fetch the {MODEL_FILE} model, once per machine "
+                                      f"(10-15 minutes; cached in {cache_folder()}, $IRIS_ENGINE_CACHE); print their paths")
+    parser.parse_args(argv)
     try:
         print(fetch_model())
         print(build_llama_server())

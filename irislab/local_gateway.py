@@ -81,8 +81,9 @@ def simulator_argv(name: str, port: int, sim: ProviderSimulation) -> list[str]:
 
 @dataclass
 class Instance:
-    """One proxy replica: an Envoy and its ext_proc servers (`extprocs`, the endpoints of its
-    `extproc` cluster; `extproc` is the first, `config_path` and `metrics_port` are its own)."""
+    """One proxy replica: an Envoy (its bootstrap at `envoy_path`) and its ext_proc servers
+    (`extprocs`, the endpoints of its `extproc` cluster; `extproc` is the first, `config_path`
+    and `metrics_port` are its own)."""
 
     index: int
     envoy: ManagedProcess
@@ -92,6 +93,7 @@ class Instance:
     config_path: Path
     metrics_port: int
     extprocs: list[ManagedProcess] = field(default_factory=list)
+    envoy_path: Path | None = None
 
     @property
     def url(self) -> str:
@@ -352,7 +354,7 @@ class LocalGateway(StartedTogether):
         envoy.port = listener_port
         _wait_until_up(envoy)
         config_path, _, metrics_port = configs[0]
-        return Instance(index, envoy, extprocs[0], listener_port, admin_port, config_path, metrics_port, extprocs)
+        return Instance(index, envoy, extprocs[0], listener_port, admin_port, config_path, metrics_port, extprocs, envoy_path)
 
     def _as_configured(self, bootstrap: dict[str, Any]) -> dict[str, Any]:
         """`bootstrap` (modified in place) as this gateway's config needs it: when its ext_proc

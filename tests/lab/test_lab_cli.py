@@ -43,6 +43,11 @@ def test_up_prints_metrics_and_admin_and_cleans_up_its_work_dir(keep):
         assert "iris_config_reloads_total" in httpx.get(metrics, timeout=10).text
         assert httpx.get(f"{admin}/server_info", timeout=10).json()["state"] == "LIVE"
         assert (work_dir / "envoy-0.log").exists()
+        routing = re.search(r"^routing config: (\S+) ", printed, re.M).group(1)
+        envoy = re.search(r"^Envoy file: (\S+) ", printed, re.M).group(1)
+        checked = subprocess.run([sys.executable, "-m", "extproc.cli", "check", "--config", routing, "--envoy", envoy],
+                                 capture_output=True, text=True, timeout=60, cwd=ROOT, env=env)
+        assert checked.returncode == 0 and checked.stdout.startswith("ok"), checked.stdout + checked.stderr
         process.send_signal(signal.SIGINT)
         assert process.wait(timeout=60) == 0
         assert work_dir.exists() is keep

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import subprocess
 import sys
 from importlib.metadata import version
@@ -213,3 +214,16 @@ def test_drain_without_redis_is_one_line(tmp_path):
     assert result.returncode == 1 and result.stdout == "" and "Traceback" not in result.stderr
     (line,) = result.stderr.strip().splitlines()
     assert line.startswith("iris-extproc: cannot reach Redis at 127.0.0.1:1: ")
+
+
+def test_a_reader_that_went_away_ends_the_command_quietly():
+    """`iris-extproc envoy-config | head -1`: the reader closes the pipe before the bootstrap is
+    written; the command ends with 1 and writes no traceback (nor Python's "Exception ignored")."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        result = subprocess.run([sys.executable, "-m", "extproc.cli", "envoy-config", "--config", str(ROOT / "envoy" / "example-config.yaml")],
+                                stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=60)
+    finally:
+        os.close(write_end)
+    assert result.returncode == 1 and result.stderr == "", result.stderr
