@@ -122,7 +122,7 @@ def parse_request(feature: str, raw: bytes, completions_prefix_chars: int) -> Pa
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
-        raise RequestError(400, f"request body is not valid JSON: {exc.msg}", "invalid_json") from None
+        raise RequestError(400, _json_error_text(raw, exc), "invalid_json") from None
     if not isinstance(body, dict):
         raise RequestError(400, "request body must be a JSON object", "invalid_json")
     _check_writable_depth(raw, body)
@@ -142,6 +142,14 @@ def parse_request(feature: str, raw: bytes, completions_prefix_chars: int) -> Pa
 # adaptation could not write again is refused here. A body with fewer brackets than this, counted
 # at C speed, cannot be deeper, so only suspicious bodies pay for the trial encoding.
 _BRACKETS_SURELY_WRITABLE = 200
+
+
+def _json_error_text(raw: bytes, exc: orjson.JSONDecodeError) -> str:
+    """What is wrong with `raw`, which orjson refused: its position, in words of the client's
+    side (orjson calls every byte that is not UTF-8 a surrogate; a compressed body is one)."""
+    if exc.msg.startswith("str is not valid UTF-8"):
+        return "request body is not UTF-8 text (a compressed body must be decompressed before the router)"
+    return f"request body is not valid JSON: {exc.msg} (at position {exc.pos})"
 
 
 def _check_writable_depth(raw: bytes, body: dict[str, Any]) -> None:

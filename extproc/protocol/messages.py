@@ -46,7 +46,7 @@ ROUTER_ERROR_CODES = frozenset({
     "response_not_found",
 })
 ENVOY_ERROR_CODES = frozenset({
-    "request_too_large", "headers_too_large", "request_timeout", "upstream_timeout", "upstream_unavailable",
+    "request_too_large", "headers_too_large", "request_timeout", "routing_timeout", "upstream_timeout", "upstream_unavailable",
     "internal_error", "invalid_request", "no_route",
 })
 CLIENT_ERROR_CODES = ROUTER_ERROR_CODES | ENVOY_ERROR_CODES

@@ -217,6 +217,8 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
         body = request.request_body.body
         live = self.live
         try:
+            if not body:  # a chunked body of no bytes: as one without any (the request headers' end_of_stream)
+                raise RequestError(400, "a request body is required", "missing_body")
             if len(body) > live.config.server.max_body_bytes:
                 raise answers.too_large(live.config.server.max_body_bytes)
             feature = feature_for_path(stream.path, live.passthrough)

@@ -7,6 +7,8 @@ checks: no client-chosen cluster, keyed session ids, and no secret in any answer
 
 from __future__ import annotations
 
+import gzip
+
 import httpx
 import orjson
 import pytest
@@ -144,6 +146,20 @@ def test_nesting_deeper_than_the_body_rewrite_is_a_400(gateway, depth):
         assert response.json()["error"]["code"] == "invalid_json"
     else:
         assert response.headers["x-iris-provider"] in ("iris-1", "iris-2", "tensorx")
+
+
+def test_an_empty_chunked_body_is_a_missing_body_as_an_empty_one_is(gateway):
+    chunked = post(gateway, "/v1/chat/completions", content=iter([b""]), headers={"content-type": "application/json"})
+    sized = post(gateway, "/v1/chat/completions", content=b"", headers={"content-type": "application/json"})
+    assert (chunked.status_code, chunked.json()["error"]["code"]) == (sized.status_code, sized.json()["error"]["code"]) == (400, "missing_body")
+
+
+def test_a_body_that_is_not_utf8_is_named_so_not_by_the_parser_s_words(gateway):
+    compressed = gzip.compress(orjson.dumps(chat_body("x")))
+    response = post(gateway, "/v1/chat/completions", content=compressed, headers={"content-type": "application/json", "content-encoding": "gzip"})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["code"] == "invalid_json" and "not UTF-8" in error["message"] and "surrogate" not in error["message"], error
 
 
 def chat_with_parts(*parts: dict) -> dict:
