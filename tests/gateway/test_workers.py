@@ -201,18 +201,23 @@ def test_envoy_splits_the_streams_between_the_workers_on_every_start(tmp_path):
     assert all(min(split) >= REQUESTS / 4 for split in splits), splits
 
 
+def serve_with_a_port_taken(tmp_path: Path, server: dict, taken: int) -> subprocess.CompletedProcess:
+    """`iris-extproc serve` with gateway_config(server=`server`) while another socket listens on
+    127.0.0.1:`taken`; the finished process, its stderr as text."""
+    config_path = tmp_path / "routing.yaml"
+    config_path.write_text(yaml.safe_dump(gateway_config(server=server), sort_keys=False))
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", taken))
+        holder.listen()
+        return subprocess.run([sys.executable, "-m", "extproc.cli", "serve", "--config", str(config_path)], capture_output=True,
+                              text=True, timeout=60, env={**os.environ, "IRIS_SESSION_SECRET": secrets.token_hex(32)})
+
+
 def test_a_taken_port_stops_the_start_naming_it(tmp_path):
     """The second worker's port is taken: `serve --workers 2` exits 2 before starting any
     worker, with one line naming the port; no traceback."""
     first = free_port_range(2)
-    config = gateway_config(server={"listen": f"127.0.0.1:{first}", "workers": 2})
-    config_path = tmp_path / "routing.yaml"
-    config_path.write_text(yaml.safe_dump(config, sort_keys=False))
-    with socket.socket() as holder:
-        holder.bind(("127.0.0.1", first + 1))
-        holder.listen()
-        result = subprocess.run([sys.executable, "-m", "extproc.cli", "serve", "--config", str(config_path)], capture_output=True,
-                                text=True, timeout=60, env={**os.environ, "IRIS_SESSION_SECRET": secrets.token_hex(32)})
+    result = serve_with_a_port_taken(tmp_path, {"listen": f"127.0.0.1:{first}", "workers": 2}, first + 1)
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert lines[-1] == (f"iris-extproc: cannot listen on 127.0.0.1:{first + 1} (Address already in use): 2 workers listen on "
@@ -222,16 +227,9 @@ def test_a_taken_port_stops_the_start_naming_it(tmp_path):
 
 def test_a_taken_metrics_port_stops_the_server_naming_it(tmp_path):
     """`server.metrics_listen` is taken: `serve` exits 2 with one line naming the address, no
-    traceback, and leaves nothing running (the gRPC server it had started is drained)."""
+    traceback (the gRPC server it had started is drained first, or the process would not exit)."""
     first = free_port_range(2)
-    config = gateway_config(server={"listen": f"127.0.0.1:{first}", "metrics_listen": f"127.0.0.1:{first + 1}"})
-    config_path = tmp_path / "routing.yaml"
-    config_path.write_text(yaml.safe_dump(config, sort_keys=False))
-    with socket.socket() as holder:
-        holder.bind(("127.0.0.1", first + 1))
-        holder.listen()
-        result = subprocess.run([sys.executable, "-m", "extproc.cli", "serve", "--config", str(config_path)], capture_output=True,
-                                text=True, timeout=60, env={**os.environ, "IRIS_SESSION_SECRET": secrets.token_hex(32)})
+    result = serve_with_a_port_taken(tmp_path, {"listen": f"127.0.0.1:{first}", "metrics_listen": f"127.0.0.1:{first + 1}"}, first + 1)
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert lines[-1] == f"iris-extproc: cannot serve metrics on 127.0.0.1:{first + 1} (Address already in use)", result.stderr
