@@ -122,7 +122,7 @@ def parse_request(feature: str, raw: bytes, completions_prefix_chars: int) -> Pa
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
-        raise RequestError(400, _json_error_text(raw, exc), "invalid_json") from None
+        raise RequestError(400, _json_error_text(exc), "invalid_json") from None
     if not isinstance(body, dict):
         raise RequestError(400, "request body must be a JSON object", "invalid_json")
     _check_writable_depth(raw, body)
@@ -144,9 +144,9 @@ def parse_request(feature: str, raw: bytes, completions_prefix_chars: int) -> Pa
 _BRACKETS_SURELY_WRITABLE = 200
 
 
-def _json_error_text(raw: bytes, exc: orjson.JSONDecodeError) -> str:
-    """What is wrong with `raw`, which orjson refused: its position, in words of the client's
-    side (orjson calls every byte that is not UTF-8 a surrogate; a compressed body is one)."""
+def _json_error_text(exc: orjson.JSONDecodeError) -> str:
+    """What is wrong with a body orjson refused, and where, in the client's words (orjson calls
+    every byte that is not UTF-8 a surrogate; a compressed body is full of them)."""
     if exc.msg.startswith("str is not valid UTF-8"):
         return "request body is not UTF-8 text (a compressed body must be decompressed before the router)"
     return f"request body is not valid JSON: {exc.msg} (at position {exc.pos})"

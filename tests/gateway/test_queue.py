@@ -247,8 +247,8 @@ def test_two_tenants_with_demand_ten_to_one_share_the_slots_fairly(fresh):
 def test_a_proxy_killed_with_queued_requests_leaves_no_ghost_ahead_of_live_waiters(tmp_path):
     """Two long streams hold both own slots; six requests wait, three on each proxy, alternately.
     One proxy's ext_proc server is SIGKILLed and the streams' clients hang up: the dead proxy's
-    tickets stop counting when their lease ends (900 ms), so every waiter of the other proxy is served by the own provider, within its wait,
-    and Redis keeps no ticket and no lease."""
+    tickets stop counting when their lease ends (900 ms), so every waiter of the other proxy is
+    served by the own provider, within its wait, and Redis keeps no ticket and no lease."""
     gateway = start(tmp_path)
     try:
         async def scenario() -> list[dict]:
