@@ -92,8 +92,8 @@ class Instance:
     admin_port: int
     config_path: Path
     metrics_port: int
+    envoy_path: Path
     extprocs: list[ManagedProcess] = field(default_factory=list)
-    envoy_path: Path | None = None
 
     @property
     def url(self) -> str:
@@ -354,7 +354,7 @@ class LocalGateway(StartedTogether):
         envoy.port = listener_port
         _wait_until_up(envoy)
         config_path, _, metrics_port = configs[0]
-        return Instance(index, envoy, extprocs[0], listener_port, admin_port, config_path, metrics_port, extprocs, envoy_path)
+        return Instance(index, envoy, extprocs[0], listener_port, admin_port, config_path, metrics_port, envoy_path, extprocs)
 
     def _as_configured(self, bootstrap: dict[str, Any]) -> dict[str, Any]:
         """`bootstrap` (modified in place) as this gateway's config needs it: when its ext_proc

@@ -31,6 +31,12 @@ def too_large(limit_bytes: int) -> RequestError:
     return RequestError(413, f"request body is larger than {limit_bytes} bytes", "request_too_large")
 
 
+def missing_body() -> RequestError:
+    """The error for a POST without a body: none announced (end_of_stream on the request
+    headers), or a body of no bytes (a chunked one)."""
+    return RequestError(400, "a request body is required", "missing_body")
+
+
 def is_models_path(path: str) -> bool:
     """Whether `path` is `/v1/models` or `/v1/models/<id>` (query and trailing slash ignored)."""
     path = path.split("?", 1)[0].rstrip("/")

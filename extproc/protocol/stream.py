@@ -202,7 +202,7 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
             if stream.method != "POST":
                 raise RequestError(405, f"method {stream.method[:20]!r} is not allowed here: use POST", "method_not_allowed")
             if request.request_headers.end_of_stream:
-                raise RequestError(400, "a request body is required", "missing_body")
+                raise answers.missing_body()
             if int(headers.get("content-length") or 0) > self.config.server.max_body_bytes:
                 raise answers.too_large(self.config.server.max_body_bytes)
         except RequestError as exc:
@@ -217,8 +217,8 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
         body = request.request_body.body
         live = self.live
         try:
-            if not body:  # a chunked body of no bytes: as one without any (the request headers' end_of_stream)
-                raise RequestError(400, "a request body is required", "missing_body")
+            if not body:
+                raise answers.missing_body()
             if len(body) > live.config.server.max_body_bytes:
                 raise answers.too_large(live.config.server.max_body_bytes)
             feature = feature_for_path(stream.path, live.passthrough)
