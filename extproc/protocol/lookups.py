@@ -75,6 +75,8 @@ async def route_lookup(
     upstream = live.adapter.upstream_model(provider, model) if live.config.adaptation.restore_model_name else None
     metadata = {"provider": provider.name, "reason": REASON}
     set_headers = change.set_headers
+    if upstream is not None and lookup.action in RENAMED_ACTIONS:  # the answer's model name is restored: not compressed
+        set_headers = {**set_headers, **msg.UNENCODED_ANSWER}
     overwritten = {routing_header, *set_headers}  # set below, over any copy a client sent
     removed = [h for h in remove if h not in overwritten] + change.remove
     if tracing_on and not tracing.receives_trace_context(provider):

@@ -254,9 +254,11 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
         stream.model = parsed.model
         if live.config.adaptation.restore_model_name:
             stream.upstream_model = live.adapter.upstream_model(decision.provider, parsed.model)
-        change = live.adapter.adapt(decision.provider, parsed.model, parsed.body, routing_request.session_id)
+        change = live.adapter.adapt(decision.provider, parsed.model, parsed.body, routing_request.session_id, body)
         metadata = {"provider": decision.provider.name, "reason": decision.reason.value, "decision_ms": decision_ms}
         set_headers, remove = change.set_headers, change.remove
+        if stream.reads_response_id or stream.upstream_model is not None or self._counts_usage(decision.provider):
+            set_headers = {**set_headers, **msg.UNENCODED_ANSWER}  # the answer is read: not compressed
         if span is not None:
             stream.span = span
             set_headers, remove = self._trace_context(span, decision, routing_request.session_id, decision_ms, set_headers, remove)
