@@ -523,7 +523,9 @@ def _status(args) -> int:
     The pairs come from the routing config (`--config`); without one, or when it cannot be used
     (its problems go to stderr), from the config the live instances advertise in Redis
     (extproc.operations.fleet_state.instance_description), so `status` works while the file is
-    broken. Redis is `--redis-url`, else the file's `redis` (read alone when the rest is
+    broken. When the file's pairs or limits are not those some live instances run, one stderr
+    line says so (the counts stay the fleet's, the limits shown the file's). Redis is
+    `--redis-url`, else the file's `redis` (read alone when the rest is
     invalid). Exit code 1, with one line on stderr, when Redis cannot be read; 2 when neither a
     usable file nor --redis-url says where Redis is."""
     from extproc.operations.fleet_state import FleetStateReader, read_running_instances
@@ -549,12 +551,18 @@ def _status(args) -> int:
         return 1
     if file_config is None:
         _say_where_pairs_come_from(running, config)
+        other_limits = []
+    else:
+        other_limits = _instances_with_other_limits(running, file_config)
+        if other_limits:
+            _say_the_file_is_not_what_runs(running, file_config, other_limits, args.config)
     policy = _outage_policy(running, file_config, settings)
     if args.json:
         import orjson
 
         document = fleet.as_dict() if fleet is not None else {"now_ms": None, "live_instances": len(running), "pairs": []}
         document["pairs_from"] = None if config is None else ("routing config" if file_config is not None else "live instances")
+        document["instances_running_other_limits"] = len(other_limits)
         document["outage_policy"] = policy
         print(orjson.dumps(document, option=orjson.OPT_INDENT_2).decode())
         return 0
@@ -627,6 +635,32 @@ def _most_run(running) -> Config | None:
         return None
     description, _ = described.most_common(1)[0]
     return next(i.config for i in running if i.description == description)
+
+
+def _pair_limits(config: Config) -> dict[tuple[str, str], dict | None]:
+    """(provider, model) -> the pair's limits as configured (None: unlimited), for every pair."""
+    return {
+        (provider.name, model): (entry.limits.model_dump() if entry.limits is not None else None)
+        for provider in config.providers for model, entry in provider.models.items()
+    }
+
+
+def _instances_with_other_limits(running, file_config: Config) -> list:
+    """The live instances whose advertised config has other pairs or other limits than the file."""
+    expected = _pair_limits(file_config)
+    return [i for i in running if i.config is not None and _pair_limits(i.config) != expected]
+
+
+def _say_the_file_is_not_what_runs(running, file_config: Config, other: list, path: str) -> None:
+    """One stderr line: the limits shown are the file's, and how the running ones differ (up to
+    three pairs of the most common other config)."""
+    expected = _pair_limits(file_config)
+    described = Counter(i.description for i in other).most_common(1)[0][0]
+    ran = _pair_limits(next(i.config for i in other if i.description == described))
+    pairs = [pair for pair in dict.fromkeys([*expected, *ran]) if expected.get(pair, "absent") != ran.get(pair, "absent")]
+    shown = ", ".join(f"{provider} {model}" for provider, model in pairs[:3]) + (", ..." if len(pairs) > 3 else "")
+    print(f"iris-extproc: the limits shown are those of {path}, not those {len(other)} of the {len(running)} live instances "
+          f"run (they differ on {shown}); `status --redis-url URL` without --config shows what runs", file=sys.stderr)
 
 
 def _say_where_pairs_come_from(running, config: Config | None) -> None:

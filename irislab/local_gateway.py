@@ -52,7 +52,8 @@ class ProviderSimulation:
     only the provider's model names (`upstream_model` where set) and, for a provider with
     `credentials`, demands that key (an unset key variable gets a random key for the run).
     `served_models` / `api_key_env` override that. With `tls_cert` and `tls_key` (PEM files) it
-    serves HTTPS."""
+    serves HTTPS. `gzip`: it compresses its answers when the request accepts it, as public APIs
+    do."""
 
     ttft_ms: float = 20
     per_token_ms: float = 2
@@ -65,6 +66,7 @@ class ProviderSimulation:
     served_models: list[str] | None = None
     tls_cert: Path | None = None
     tls_key: Path | None = None
+    gzip: bool = False
 
 
 def simulator_argv(name: str, port: int, sim: ProviderSimulation) -> list[str]:
@@ -255,6 +257,8 @@ class LocalGateway(StartedTogether):
             argv += ["--api-key-env", key_env]
         if sim.tls_cert is not None:
             argv += ["--tls-cert", str(sim.tls_cert), "--tls-key", str(sim.tls_key)]
+        if sim.gzip:
+            argv.append("--gzip")
         label = name if replica is None else f"{name}-r{replica}"
         process = self._track(spawn(f"provider-{label}", argv, self.work_dir, env=env))
         process.port = port

@@ -103,6 +103,8 @@ class SimulatorConfig:
         (first come, first served). 0: no limit, nothing ever waits.
     decode_ms_per_running_seq: extra time per generated token for every other generation
         running at once, in milliseconds (0: the batch size does not change the decode time).
+    gzip: answer with a gzip (or deflate) body when the request's ``accept-encoding`` allows it,
+        JSON and streams alike, as public APIs do (the openai SDK accepts ``gzip, deflate``).
     """
 
     name: str
@@ -116,6 +118,7 @@ class SimulatorConfig:
     default_max_tokens: int = 16
     max_num_seqs: int = 0
     decode_ms_per_running_seq: float = 0
+    gzip: bool = False
 
 
 @dataclass
@@ -138,7 +141,8 @@ class SimulatorState:
         injection dropped the connection.
     prompt_tokens / cached_tokens / completion_tokens: token totals (cached tokens are part of
         the prompt tokens; completion tokens count what was actually sent).
-    last_request_headers: headers (lowercase name -> value) of the last 50 inference requests.
+    last_request_headers: headers (lowercase name -> value) of the last 50 inference requests and
+        lookups of a stored response by id.
     last_request_models: the ``model`` values of the last 50 inference requests, as received.
     last_request_fields: the top-level field names of the JSON bodies of the last 50 inference
         requests, as received (names only: what a body carried, never its content).
@@ -933,6 +937,7 @@ class _Service:
     def _stored(self, request: web.Request, action: str) -> tuple[str, StoredResponse]:
         """Count a lookup by id, check the key; the id and its stored response. Raises _ApiError."""
         self.state.response_lookups[action] = self.state.response_lookups.get(action, 0) + 1
+        self.state.last_request_headers.append({name.lower(): value for name, value in request.headers.items()})
         key = self.config.required_api_key
         if key is not None and not _authorized(request.headers, key):
             raise _ApiError(401, "Incorrect API key provided.", "invalid_request_error", "invalid_api_key")
@@ -1098,6 +1103,8 @@ class _Service:
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
+        if self.config.gzip:
+            response.enable_compression()
         deadline = asyncio.get_running_loop().time() + self._first_token_ms(gen) / 1000
         try:
             await response.prepare(request)
@@ -1254,7 +1261,15 @@ def build_app(config: SimulatorConfig) -> web.Application:
     disconnect ends a waiting request at once rather than when its answer would be due.
     """
     service = _Service(config)
-    app = web.Application(client_max_size=_MAX_BODY_BYTES)
+
+    @web.middleware
+    async def compress(request: web.Request, handler: _Handler) -> web.StreamResponse:
+        response = await handler(request)
+        if not response.prepared and request.path.startswith("/v1/"):  # a stream compresses itself
+            response.enable_compression()  # by the request's accept-encoding: gzip or deflate, else none
+        return response
+
+    app = web.Application(client_max_size=_MAX_BODY_BYTES, middlewares=[compress] if config.gzip else [])
     app[STATE_KEY] = service.state
 
     async def add_name_header(request: web.Request, response: web.StreamResponse) -> None:
@@ -1359,6 +1374,9 @@ def _parse_args(argv: list[str] | None) -> tuple[SimulatorConfig, str, int, ssl.
         "--model", dest="models", action="extend", nargs="+", metavar="NAME",
         help="model name served (repeatable); default: any",
     )
+    parser.add_argument(
+        "--gzip", action="store_true", help="compress answers when the request's accept-encoding allows it"
+    )
     parser.add_argument("--tls-cert", metavar="PEM", help="serve HTTPS with this certificate (chain)")
     parser.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
     args = parser.parse_args(argv)
@@ -1388,6 +1406,7 @@ def _parse_args(argv: list[str] | None) -> tuple[SimulatorConfig, str, int, ssl.
         decode_ms_per_running_seq=args.decode_ms_per_running_seq,
         required_api_key=api_key,
         served_model_names=args.models,
+        gzip=args.gzip,
     )
     return config, args.host, args.port, ssl_context
 

@@ -312,9 +312,11 @@ class TokenUsageSettings(_Strict):
 
 
 # What tells who a client is, or where it is, to a third party: never sent to unlimited providers.
+# `baggage` (W3C Baggage) carries whatever the client's services put in it, user and session ids
+# among them.
 DEFAULT_PRIVATE_HEADERS = (
     "cookie", "x-forwarded-for", "forwarded", "x-real-ip", "true-client-ip", "x-client-ip",
-    "cf-connecting-ip", "x-envoy-external-address", "x-user-id",
+    "cf-connecting-ip", "x-envoy-external-address", "x-user-id", "baggage",
 )
 
 

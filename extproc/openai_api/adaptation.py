@@ -16,8 +16,9 @@ model its own way and want its own API key. For the chosen (provider, model) thi
   body's `user` and `safety_identifier` (CLIENT_IDENTITY_FIELDS): nothing of the client's
   identity leaves for a third party. Own providers get them unchanged;
 - the session's affinity inside the provider (config Affinity): an opaque key of the session in
-  the header Envoy's route hashes on (a pool) or in the header the provider's own router reads,
-  and the cluster (a pool's `sessionless_cluster` for a request without a session).
+  the header Envoy's route hashes on (a pool) or in the header the provider's own router reads
+  (a request without a session loses a copy of that header its client sent), and the cluster (a
+  pool's `sessionless_cluster` for a request without a session).
 
 A key never appears in a log line, an error, a metric or a repr: errors name the variable or the
 file, never the value.
@@ -26,10 +27,12 @@ file, never the value.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import orjson
 
@@ -78,7 +81,8 @@ class RequestAdapter:
                 key = read_api_key(provider.name, provider.credentials, environ)
                 header = provider.credentials.header
                 self._credentials[provider.name] = (header, provider.credentials.header_prefix() + key)
-        self._session_headers = {p.name: p.session_header(config.server.affinity_header) for p in config.providers}
+        self._affinity_header = config.server.affinity_header
+        self._session_headers = {p.name: p.session_header(self._affinity_header) for p in config.providers}
         self._upstream_models = {
             (p.name, model): entry.upstream_model
             for p in config.providers
@@ -90,11 +94,15 @@ class RequestAdapter:
         """The provider's own name for `model` when it differs from the client's, else None."""
         return self._upstream_models.get((provider.name, model))
 
-    def adapt(self, provider: Provider, model: str, body: dict | None, session_id: str | None = None) -> Adaptation:
+    def adapt(
+        self, provider: Provider, model: str, body: dict | None, session_id: str | None = None, raw: bytes | None = None
+    ) -> Adaptation:
         """The changes for sending the request `body` (decoded JSON object; None for a request
         without a body, a lookup by id) for `model` to `provider`, within session `session_id`
-        (None: a request without a session). Raises nothing: `body` was decoded from JSON, so it
-        encodes again."""
+        (None: a request without a session; then the header that carries a session's key to
+        the provider is removed, so a client cannot pick a replica with its own copy). `raw`:
+        the body's bytes, so a rewritten body keeps every integer exact (exact_integers).
+        Raises nothing: `body` was decoded from JSON, so it encodes again."""
         headers: dict[str, str] = {}
         session_header = self._session_headers.get(provider.name)
         if session_id is not None and session_header is not None:
@@ -107,18 +115,52 @@ class RequestAdapter:
         private = provider.kind is ProviderKind.UNLIMITED and not provider.forward_client_identity
         if private:
             remove += [h for h in self._private_headers if h not in headers]
-        return Adaptation(cluster, headers, remove, None if body is None else self._body(provider, model, body, private))
+        if session_header is not None and session_header not in headers and session_header not in remove:
+            if session_header != self._affinity_header:  # that one every request loses with its headers (stream.py)
+                remove.append(session_header)  # a request without a session: the client's own copy would pick the replica
+        return Adaptation(cluster, headers, remove, None if body is None else self._body(provider, model, body, private, raw))
 
-    def _body(self, provider: Provider, model: str, body: dict, private: bool) -> bytes | None:
+    def _body(self, provider: Provider, model: str, body: dict, private: bool, raw: bytes | None) -> bytes | None:
         """The body for `provider`: `model` renamed to the pair's upstream name and, when
-        `private`, the client's identity fields dropped; None when neither changes anything."""
+        `private`, the client's identity fields dropped; None when neither changes anything.
+        Every other value is written as the client sent it (exact_integers)."""
         upstream = self._upstream_models.get((provider.name, model))
         dropped = [name for name in CLIENT_IDENTITY_FIELDS if name in body] if private else []
         if upstream is None and not dropped:
             return None
+        body, dumps = exact_integers(raw, body)
         if dropped:
             body = {name: value for name, value in body.items() if name not in dropped}
-        return orjson.dumps({**body, "model": upstream} if upstream is not None else body)
+        return dumps({**body, "model": upstream} if upstream is not None else body)
+
+
+# orjson reads an integer beyond 64 bits (below -2**63, above 2**64 - 1: a `seed` of 2**64) as a
+# float and writes it back as one (`1.8446744073709552e+19`), so a rewritten body would change
+# the client's value. Such an integer has at least 19 digits: a body without a run of 19 digits
+# (found at C speed, about 2 ms per MB) keeps orjson; one with such a run is read again by the
+# standard library's decoder, whose integers are exact.
+_DIGITS_AS_ZERO = bytes(0x30 if 0x30 <= b <= 0x39 else 0x20 for b in range(256))
+_SHORTEST_INEXACT_INTEGER = b"0" * 19
+
+
+def exact_integers(raw: bytes | None, body: dict) -> tuple[dict, Callable[[Any], bytes]]:
+    """(the request body, the function that writes a body) such that every integer of `raw`
+    (the request's bytes; `body` is orjson's reading of them) is written again exactly: `body`
+    and orjson.dumps, or the standard library's reading of `raw` and its compact writer when
+    `raw` may hold an integer orjson turned into a float. Raises nothing: `raw` was read by
+    orjson, so it is JSON that the standard library reads too (integers of at most about 310
+    digits: a longer one is infinite to orjson, which refused it)."""
+    if raw is None or _SHORTEST_INEXACT_INTEGER not in raw.translate(_DIGITS_AS_ZERO):
+        return body, orjson.dumps
+    try:
+        exact = json.loads(raw)
+    except ValueError:  # not reached: orjson read it
+        return body, orjson.dumps
+    return exact, _dumps_exact
+
+
+def _dumps_exact(value: Any) -> bytes:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
 
 
 def affinity_key(session_id: str) -> str:

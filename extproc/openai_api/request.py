@@ -69,9 +69,10 @@ class ParsedRequest:
 
 def feature_for_path(path: str, passthrough: Mapping[str, str] | None = None) -> str:
     """The feature class served at `path` (query string ignored): one of ENDPOINTS, else the
-    feature of a configured passthrough endpoint (`passthrough`: path -> feature). Raises
-    RequestError (404)."""
-    bare = path.split("?", 1)[0].rstrip("/")
+    feature of a configured passthrough endpoint (`passthrough`: path -> feature). The path is
+    matched exactly: a trailing slash is another path, which a provider would refuse with a 404
+    of its own after the request took a slot (docs/endpoints.md). Raises RequestError (404)."""
+    bare = path.split("?", 1)[0]
     feature = ENDPOINTS.get(bare)
     if feature is None and passthrough:
         feature = passthrough.get(bare)
@@ -91,11 +92,12 @@ class ResponseLookup:
 
 
 def response_lookup(method: str, path: str) -> ResponseLookup | None:
-    """The stored-response request `method` `path` makes (query string and a trailing slash
-    ignored), or None when `path` is not under `/v1/responses/{id}`. Raises RequestError: 405
-    (method_not_allowed) for a method the path does not serve, 404 (unknown_url) for another
-    path below an id, 404 (response_not_found) for an id longer than MAX_RESPONSE_ID_CHARS."""
-    bare = path.split("?", 1)[0].rstrip("/")
+    """The stored-response request `method` `path` makes (query string ignored; the path matched
+    exactly, as `feature_for_path` matches it), or None when `path` is not under
+    `/v1/responses/`. Raises RequestError: 405 (method_not_allowed) for a method the path does
+    not serve, 404 (unknown_url) for another path below `/v1/responses/` (a trailing slash, an
+    empty id), 404 (response_not_found) for an id longer than MAX_RESPONSE_ID_CHARS."""
+    bare = path.split("?", 1)[0]
     if not bare.startswith(RESPONSES_PATH + "/"):
         return None
     response_id, slash, rest = bare[len(RESPONSES_PATH) + 1:].partition("/")

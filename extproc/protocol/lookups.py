@@ -22,7 +22,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingResponse
 from extproc import metrics
 from extproc.config import Provider
 from extproc.openai_api.request import ResponseLookup
-from extproc.protocol import answers
+from extproc.protocol import answers, tracing
 from extproc.protocol import messages as msg
 from extproc.protocol.live import LiveConfig
 from extproc.routing.lease_table import Refusal
@@ -30,6 +30,7 @@ from extproc.routing.outage import RedisBreaker
 from extproc.storage.client import REDIS_FAILURES, in_own_task
 
 REASON = "response_lookup"  # the access log's `reason` (and x-iris-route-reason) of a lookup
+RENAMED_ACTIONS = ("retrieve", "cancel")  # answered with the response object, whose `model` is the client's
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,12 +47,15 @@ class RoutedLookup:
 
 
 async def route_lookup(
-    live: LiveConfig, breaker: RedisBreaker, lookup: ResponseLookup, identity: str, routing_header: str, remove: list[str]
+    live: LiveConfig, breaker: RedisBreaker, lookup: ResponseLookup, identity: str, routing_header: str, remove: list[str],
+    tracing_on: bool = False,
 ) -> tuple[ProcessingResponse, RoutedLookup | None]:
     """The request-headers answer for `lookup` by `identity`: routed to the provider that stores
     the response (with the RoutedLookup), or the router's own error (and None): 404
     `response_not_found`, 503 `no_provider_available`, 503 `routing_unavailable` while Redis
-    cannot be asked. `remove`: headers a client may not send (the routing header's own copy)."""
+    cannot be asked. `remove`: headers a client may not send (the routing header's own copy).
+    `tracing_on`: a provider that gets no trace context loses the client's, as a generation
+    does (extproc.protocol.tracing)."""
     retry_after = live.config.server.retry_after_seconds
     if breaker.is_open:
         return answers.refusal(Refusal.UNAVAILABLE, "", retry_after, 0.0), None
@@ -70,8 +74,13 @@ async def route_lookup(
     change = live.adapter.adapt(provider, model, None, link.session_id)
     upstream = live.adapter.upstream_model(provider, model) if live.config.adaptation.restore_model_name else None
     metadata = {"provider": provider.name, "reason": REASON}
-    overwritten = {routing_header, *change.set_headers}  # set below, over any copy a client sent
+    set_headers = change.set_headers
+    if upstream is not None and lookup.action in RENAMED_ACTIONS:  # the answer's model name is restored: not compressed
+        set_headers = {**set_headers, **msg.UNENCODED_ANSWER}
+    overwritten = {routing_header, *set_headers}  # set below, over any copy a client sent
     removed = [h for h in remove if h not in overwritten] + change.remove
-    answer = msg.route_headers_to_cluster(routing_header, change.cluster, change.set_headers, removed, metadata)
+    if tracing_on and not tracing.receives_trace_context(provider):
+        removed += tracing.WITHHELD_HEADERS
+    answer = msg.route_headers_to_cluster(routing_header, change.cluster, set_headers, removed, metadata)
     metrics.child(metrics.RESPONSE_LOOKUPS, lookup.action).inc()
     return answer, RoutedLookup(lookup, provider, model, identity, upstream)

@@ -60,6 +60,13 @@ UPSTREAM_CONNECTION_TERMINATION = 1 << 6
 _UNREACHABLE = UPSTREAM_REMOTE_RESET | UPSTREAM_CONNECTION_FAILURE | UPSTREAM_CONNECTION_TERMINATION
 
 
+# Set on a request whose answer the router reads (a Responses id, a model name to restore, the
+# token usage): a provider that compresses when the client accepts it (the openai SDK sends
+# `accept-encoding: gzip, deflate`) answers in plain bytes instead. Envoy's compressor filter,
+# placed before ext_proc, compresses toward the client if the operator wants it (docs/endpoints.md).
+UNENCODED_ANSWER = {"accept-encoding": "identity"}
+
+
 def header_map(headers: HttpHeaders) -> dict[str, str]:
     """The headers of a ProcessingRequest phase as a dict of lowercase name -> value. Envoy sends
     values in `raw_value` (bytes); invalid UTF-8 is replaced, never raised."""

@@ -41,7 +41,7 @@ from extproc.protocol import answers, tracing
 from extproc.protocol import messages as msg
 from extproc.protocol.live import LiveConfig
 from extproc.protocol.lookups import REASON as LOOKUP_REASON
-from extproc.protocol.lookups import RoutedLookup, route_lookup
+from extproc.protocol.lookups import RENAMED_ACTIONS, RoutedLookup, route_lookup
 from extproc.routing.lease_table import Held, LeaseTable, Refusal
 from extproc.routing.outage import RedisBreaker
 from extproc.routing.router import Decision, Rejection, RejectionKind, RoutingRequest
@@ -195,7 +195,8 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
             if lookup is not None:  # no body follows, or one that is passed on as it is
                 stream.identity = self.sessions.identity(stream.signals, None)
                 answer, stream.lookup = await route_lookup(
-                    self.live, self.breaker, lookup, stream.identity, self._routing_header, self._client_may_not_send
+                    self.live, self.breaker, lookup, stream.identity, self._routing_header, self._client_may_not_send,
+                    tracing_on=self.tracer is not None,
                 )
                 return answer
             feature_for_path(stream.path, self.live.passthrough)
@@ -253,9 +254,11 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
         stream.model = parsed.model
         if live.config.adaptation.restore_model_name:
             stream.upstream_model = live.adapter.upstream_model(decision.provider, parsed.model)
-        change = live.adapter.adapt(decision.provider, parsed.model, parsed.body, routing_request.session_id)
+        change = live.adapter.adapt(decision.provider, parsed.model, parsed.body, routing_request.session_id, body)
         metadata = {"provider": decision.provider.name, "reason": decision.reason.value, "decision_ms": decision_ms}
         set_headers, remove = change.set_headers, change.remove
+        if stream.reads_response_id or stream.upstream_model is not None or self._counts_usage(decision.provider):
+            set_headers = {**set_headers, **msg.UNENCODED_ANSWER}  # the answer is read: not compressed
         if span is not None:
             stream.span = span
             set_headers, remove = self._trace_context(span, decision, routing_request.session_id, decision_ms, set_headers, remove)
@@ -274,7 +277,7 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
         context = self.tracer.routed(span, decision.provider, decision.reason.value, session_id, decision_ms)
         if context:
             return {**set_headers, **context}, remove
-        return set_headers, [*remove, *tracing.TRACE_HEADERS]
+        return set_headers, [*remove, *tracing.WITHHELD_HEADERS]
 
     async def _routing_request(self, stream: StreamState, parsed: ParsedRequest) -> RoutingRequest:
         """Identity, session key and, for a Responses turn continuing a stored response, the
@@ -387,7 +390,7 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
         if not 200 <= stream.status < 300:
             return
         stream.model = routed.model
-        if routed.lookup.action in ("retrieve", "cancel"):  # answered with the response object
+        if routed.lookup.action in RENAMED_ACTIONS:  # answered with the response object
             stream.upstream_model = routed.upstream_model
         elif routed.lookup.action == "delete":
             try:

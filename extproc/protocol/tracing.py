@@ -23,7 +23,9 @@ sampling decision is followed (ParentBased); a trace started here is sampled at
 `tracing.sample_ratio`. The span's own context goes to the provider in `traceparent`, set by the
 routing answer's header mutation, so the engine's spans (vLLM's `--otlp-traces-endpoint`) are its
 children. A third party (an unlimited provider without `forward_client_identity`) gets no trace
-context at all: the client's trace id would link its requests, as a session id would.
+context at all, nor the client's W3C `baggage` (WITHHELD_HEADERS), on a generation as on a
+lookup of a stored response by id: the client's trace id would link its requests, as a session
+id would.
 
 Spans leave through the SDK's batch processor (a thread of its own, a bounded queue that drops
 when the collector is away) to an OTLP/gRPC exporter. The SDK is imported only when tracing is
@@ -45,6 +47,9 @@ from extproc.openai_api.adaptation import affinity_key
 log = logging.getLogger(__name__)
 
 TRACE_HEADERS = ("traceparent", "tracestate")  # W3C Trace Context
+# What a third party that gets no trace context loses (tracing on): the trace context and the
+# W3C Baggage header that travels with it (it may carry user and session ids).
+WITHHELD_HEADERS = (*TRACE_HEADERS, "baggage")
 OPERATION_NAMES = {"chat": "chat", "completions": "text_completion", "embeddings": "embeddings", "responses": "chat"}
 PROVIDER_FLAVOUR = "openai"  # gen_ai.provider.name: every provider speaks OpenAI's API
 REJECTED = "rejected"

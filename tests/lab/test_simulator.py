@@ -627,3 +627,17 @@ async def test_engine_endpoints_tokenize_detokenize_rerank_and_score() -> None:
         status, error = await post(http, "/detokenize", {"model": MODEL, "tokens": [99]})
         assert status == 400 and error["error"]["type"] == "invalid_request_error"
         assert (await stats(http))["requests"] == 5
+
+
+async def test_gzip_compresses_answers_only_when_the_request_accepts_it() -> None:
+    """`gzip`: a public API's habit, JSON and streams alike; a request asking for identity gets plain bytes."""
+    async with running(gzip=True) as (simulator, _):
+        async with httpx.AsyncClient(base_url=simulator.url, timeout=10) as http:
+            for stream in (False, True):
+                zipped = await http.post("/v1/chat/completions", json=chat("hi", stream=stream), headers={"accept-encoding": "gzip"})
+                assert (zipped.status_code, zipped.headers.get("content-encoding")) == (200, "gzip")
+                assert "tok0" in zipped.text  # httpx decompressed it
+                plain = await http.post("/v1/chat/completions", json=chat("hi", stream=stream), headers={"accept-encoding": "identity"})
+                assert (plain.status_code, plain.headers.get("content-encoding")) == (200, None) and "tok0" in plain.text
+            health = await http.get("/stats", headers={"accept-encoding": "gzip"})
+            assert health.headers.get("content-encoding") is None  # control endpoints stay plain

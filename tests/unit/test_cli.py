@@ -227,3 +227,28 @@ def test_a_reader_that_went_away_ends_the_command_quietly():
     finally:
         os.close(write_end)
     assert result.returncode == 1 and result.stderr == "", result.stderr
+
+
+async def test_status_says_when_the_file_is_not_what_the_live_instances_run(tmp_path, redis_client, redis_url, capsys):
+    """The file raised iris-1's pin limit; the running instances were not reloaded. The limits
+    shown are the file's (the operator asked for them), and stderr says they are not what runs."""
+    running = parse_config(small_config_data(redis_url, redis={"url": redis_url, "key_prefix": "t"}))
+    registry = InstanceRegistry(redis_client, "t")
+    registry.description = instance_description(running)
+    await registry.heartbeat()
+    try:
+        same = write(tmp_path / "same.yaml", small_config_data(redis_url))
+        assert await main("status", "--config", same) == 0
+        assert "not those" not in capsys.readouterr().err  # the file is what runs: nothing to say
+        edited = json.loads(json.dumps(small_config_data(redis_url)))  # its pairs share one limits dict
+        edited["providers"][0]["models"]["m"]["limits"]["max_pinned_sessions"] = 9
+        edited_path = write(tmp_path / "edited.yaml", edited)
+        assert await main("status", "--config", edited_path) == 0
+        captured = capsys.readouterr()
+        assert f"the limits shown are those of {edited_path}, not those 1 of the 1 live instances run (they differ on iris-1 m)" in captured.err
+        line = next(line for line in captured.out.splitlines() if line.split()[:3] == ["iris-1", "managed", "m"])
+        assert line.split()[4] == "0/9"  # the file's limit, as said
+        assert await main("status", "--config", edited_path, "--json") == 0
+        assert json.loads(capsys.readouterr().out)["instances_running_other_limits"] == 1
+    finally:
+        await registry.leave()
