@@ -21,10 +21,26 @@ import asyncio
 import socket
 import ssl
 import sys
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from irislab.processes import ManagedProcess, StartedTogether, free_port, spawn, start_redis, wait_for_port
+import redis
+
+from irislab.processes import (
+    ManagedProcess,
+    ProcessError,
+    StartedTogether,
+    free_port,
+    redis_server_binary,
+    spawn,
+    start_redis,
+    wait_for_port,
+)
+from irislab.redis_topologies import SERVICE_NAME, cluster_port
+
+TLS_CONNECTION_LOG = "connection over TLS"
+"""What the terminator logs for each connection whose TLS handshake completed."""
 
 TLS_HANDSHAKE_RECORD = 0x16
 """The first byte of a TLS ClientHello record (RFC 8446, 5.1: ContentType handshake(22))."""
@@ -132,6 +148,124 @@ class TlsStandalone(StartedTogether):
                 process.stop()
 
 
+@dataclass
+class TlsCluster(StartedTogether):
+    """A Redis Cluster of `primaries` primaries (no replicas) whose every node is reached over
+    TLS: each node announces its terminator's port (`cluster-announce-port`; its bus stays plain
+    on its own port + 10000), so CLUSTER SLOTS and MOVED name TLS ports, which speak TLS only."""
+
+    work_dir: Path
+    primaries: int = 3
+    ca: TlsCa | None = None
+    nodes: list[ManagedProcess] = field(default_factory=list)
+    terminators: list[ManagedProcess] = field(default_factory=list)
+
+    @property
+    def seeds(self) -> list[str]:
+        """Every node's TLS address as host:port (the config's `redis.cluster.nodes`)."""
+        return [f"127.0.0.1:{t.port}" for t in self.terminators]
+
+    def start(self) -> None:
+        self.ca = TlsCa(self.work_dir / "certs").write()
+        for _ in range(self.primaries):
+            port, tls_port = cluster_port(), free_port()
+            node_dir = self.work_dir / f"node-{port}"
+            node_dir.mkdir(parents=True)
+            self.nodes.append(start_redis(node_dir, port, [
+                "--cluster-enabled", "yes", "--cluster-config-file", str(node_dir / "nodes.conf"),
+                "--cluster-node-timeout", "1000",
+                "--cluster-announce-ip", "127.0.0.1", "--cluster-announce-port", str(tls_port),
+                "--cluster-announce-bus-port", str(port + 10000),
+            ]))
+            self.terminators.append(start_terminator(self.work_dir, port, self.ca, listen_port=tls_port))
+        self._join()
+        for node in self.nodes:
+            _wait_until(lambda n=node: _plain(n.port).cluster("info")["cluster_state"] == "ok", 30, f"cluster_state:ok on {node.port}")
+
+    def _join(self) -> None:
+        """What `redis-cli --cluster create` does, on the nodes' plain ports (its MEET would name
+        the announced TLS port, whose + 10000 is no bus): an equal share of the slots and a
+        config epoch each, then MEET of the others by their plain address."""
+        share = TlsCluster.SLOTS // len(self.nodes)
+        for i, node in enumerate(self.nodes):
+            client = _plain(node.port)
+            high = TlsCluster.SLOTS if i == len(self.nodes) - 1 else (i + 1) * share
+            client.cluster("addslots", *range(i * share, high))
+            client.cluster("set-config-epoch", i + 1)
+        for node in self.nodes[1:]:
+            _plain(self.nodes[0].port).cluster("meet", "127.0.0.1", node.port)
+
+    SLOTS = 16384
+
+    def stop(self) -> None:
+        for process in [*self.terminators, *self.nodes]:
+            process.stop()
+
+
+@dataclass
+class TlsSentinel(StartedTogether):
+    """A primary watched by one sentinel as SERVICE_NAME (quorum 1), both reached over TLS: the
+    sentinel monitors the primary through the primary's terminator (which takes its plain
+    connection too), so it names the terminator's TLS port; the sentinel has its own terminator
+    (`addresses`). `primary_tls` is the primary's terminator; `tls_connections(primary_tls)`
+    counts the TLS connections it took (the sentinel's are plain)."""
+
+    work_dir: Path
+    ca: TlsCa | None = None
+    primary: ManagedProcess | None = None
+    primary_tls: ManagedProcess | None = None
+    sentinel: ManagedProcess | None = None
+    sentinel_tls: ManagedProcess | None = None
+
+    @property
+    def addresses(self) -> list[str]:
+        """The sentinel's TLS address as host:port (the config's `redis.sentinel.sentinels`)."""
+        return [f"127.0.0.1:{self.sentinel_tls.port}"]
+
+    def start(self) -> None:
+        self.ca = TlsCa(self.work_dir / "certs").write()
+        self.primary = start_redis(self.work_dir / "primary")
+        self.primary_tls = start_terminator(self.work_dir, self.primary.port, self.ca, plain_too=True)
+        port = free_port()
+        folder = self.work_dir / "sentinel"
+        folder.mkdir(parents=True)
+        conf = folder / "sentinel.conf"
+        conf.write_text(f"port {port}\nbind 127.0.0.1\ndir {folder}\n"
+                        f"sentinel monitor {SERVICE_NAME} 127.0.0.1 {self.primary_tls.port} 1\n")
+        self.sentinel = spawn(f"sentinel-{port}", [redis_server_binary(), str(conf), "--sentinel"], folder)
+        self.sentinel.port = port
+        wait_for_port(port, process=self.sentinel.popen)
+        self.sentinel_tls = start_terminator(self.work_dir, port, self.ca)
+        _wait_until(lambda: _plain(port).sentinel_get_master_addr_by_name(SERVICE_NAME)[1] == self.primary_tls.port, 30,
+                    "the sentinel naming the primary")
+
+    def stop(self) -> None:
+        for process in (self.sentinel_tls, self.sentinel, self.primary_tls, self.primary):
+            if process is not None:
+                process.stop()
+
+
+def tls_connections(terminator: ManagedProcess) -> int:
+    """How many connections `terminator` took over TLS so far (from its log)."""
+    return terminator.log_tail(10**7).count(TLS_CONNECTION_LOG)
+
+
+def _plain(port: int) -> redis.Redis:
+    return redis.Redis(host="127.0.0.1", port=port, socket_timeout=2)
+
+
+def _wait_until(predicate, within_seconds: float, what: str) -> None:
+    deadline = time.monotonic() + within_seconds
+    while time.monotonic() < deadline:
+        try:
+            if predicate():
+                return
+        except Exception:  # noqa: BLE001 - not up yet
+            pass
+        time.sleep(0.05)
+    raise ProcessError(f"timed out waiting for {what}")
+
+
 # ---- the terminator process -------------------------------------------------------------------
 
 
@@ -152,6 +286,8 @@ async def _handle(conn: socket.socket, to_port: int, context: ssl.SSLContext, pl
         protocol = asyncio.StreamReaderProtocol(reader)
         transport, _ = await loop.connect_accepted_socket(lambda: protocol, conn, ssl=context if tls else None)
         writer = asyncio.StreamWriter(transport, protocol, reader, loop)
+        if tls:
+            print(TLS_CONNECTION_LOG, file=sys.stderr, flush=True)
     except (OSError, ssl.SSLError) as exc:
         print(f"handshake refused: {exc}", file=sys.stderr, flush=True)
         conn.close()

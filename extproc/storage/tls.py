@@ -94,13 +94,20 @@ class RedisTlsError(RuntimeError):
     error, refused at start. The message names the client and the handshake's error."""
 
 
+OPENSSL_ERROR_MARK = "[SSL"
+"""How Python's ssl module opens the text of an OpenSSL error (`[SSL: CERTIFICATE_VERIFY_FAILED]
+certificate verify failed ...`)."""
+
+
 def is_tls_failure(error: BaseException) -> bool:
     """Whether `error` (what either client raised) is, or was caused by, a failed TLS handshake
     (ssl.SSLError: a certificate not verified, a name that does not match, a server that does
-    not speak TLS)."""
+    not speak TLS). The errors that sum up several nodes (redis-py's MasterNotFoundError and
+    RedisClusterUnreachableError, the pipelined client's "no sentinel names the primary" and
+    "no cluster node answered") carry the handshake's error in their text only."""
     seen = set()
     while error is not None and id(error) not in seen:
-        if isinstance(error, ssl.SSLError):
+        if isinstance(error, ssl.SSLError) or OPENSSL_ERROR_MARK in str(error):
             return True
         seen.add(id(error))
         error = error.__cause__ or error.__context__

@@ -7,24 +7,16 @@ Standalone here; a Redis Cluster and Sentinel over TLS in tests/gateway/test_red
 
 from __future__ import annotations
 
-import os
-import secrets
-import subprocess
-import sys
-
 import pytest
-import yaml
 
 from extproc.config import ConfigError, RedisSettings, parse_config
 from extproc.routing.state import RoutingState
 from extproc.storage.client import open_redis
 from extproc.storage.pipelined import open_pipelined
 from extproc.storage.tls import is_tls_failure
-from irislab.processes import free_port
 from irislab.tls_redis import TlsCa, TlsStandalone, start_terminator
 from tests.support.configs import small_config_data
-
-T0 = 1_000_000_000
+from tests.support.redis_tls import admit_and_release, routing_config, serve_once
 
 
 @pytest.fixture(scope="module")
@@ -39,23 +31,12 @@ def other_ca(tmp_path_factory) -> TlsCa:
     return TlsCa(tmp_path_factory.mktemp("other-ca"), name="other CA").write()
 
 
-def routing_config(url: str, **redis):
-    return parse_config(small_config_data(url, redis={"url": url, "key_prefix": "tls", **redis}))
-
-
-async def admit_and_release(state: RoutingState) -> tuple[str, str]:
-    """One admission with a pin and its release through the routing scripts: their results."""
-    _, admitted = await state.get_pin_and_try_admit("m", "s1", ["iris-1"], lease_id="L1", pin_id="P1", now_ms=T0)
-    released = await state.release_request_lease(admitted.lease, refresh_pin=True, now_ms=T0 + 1)
-    return admitted.result.value, released.result.value
-
-
 @pytest.mark.parametrize("how", ["rediss-url", "tls-flag-with-redis-url"])
 async def test_both_clients_run_the_routing_scripts_over_tls(tls_redis, how):
     """`rediss://` with `tls_ca_file`, and `tls: true` with a `redis://` URL: redis-py and the
     pipelined client both reach the TLS-only port and run the admission and release scripts."""
     url = tls_redis.url if how == "rediss-url" else tls_redis.url.replace("rediss://", "redis://")
-    config = routing_config(url, tls_ca_file=str(tls_redis.ca.ca_file), tls=how != "rediss-url")
+    config = routing_config(url=url, tls_ca_file=str(tls_redis.ca.ca_file), tls=how != "rediss-url")
     redis_py = open_redis(config.redis, timeout_seconds=5)
     pipelined = open_pipelined(config.redis, timeout_seconds=5)
     try:
@@ -113,12 +94,7 @@ async def test_a_client_certificate_reaches_a_redis_that_asks_for_one(tls_redis,
 def test_serve_refuses_to_start_when_the_ca_does_not_verify_redis(tls_redis, other_ca, tmp_path):
     """`iris-extproc serve` with a CA that does not verify Redis exits 2 at start with the
     handshake's error, instead of serving with every decision going to the third party."""
-    data = small_config_data(tls_redis.url, redis={"url": tls_redis.url, "tls_ca_file": str(other_ca.ca_file)},
-                             server={"listen": f"127.0.0.1:{free_port()}"})
-    path = tmp_path / "routing.yaml"
-    path.write_text(yaml.safe_dump(data))
-    done = subprocess.run([sys.executable, "-m", "extproc", "serve", "--config", str(path)], capture_output=True, text=True,
-                          timeout=60, env={**os.environ, "IRIS_SESSION_SECRET": secrets.token_hex(32)})
+    done = serve_once(tmp_path, {"url": tls_redis.url, "tls_ca_file": str(other_ca.ca_file)})
     assert done.returncode == 2, done.stderr[-3000:]
     assert "TLS handshake failed" in done.stderr and "CERTIFICATE_VERIFY_FAILED" in done.stderr, done.stderr[-3000:]
     assert str(other_ca.ca_file) in done.stderr
