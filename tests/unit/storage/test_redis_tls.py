@@ -72,12 +72,13 @@ async def test_a_client_certificate_reaches_a_redis_that_asks_for_one(tls_redis,
     """A terminator that asks for a client certificate (Redis's `tls-auth-clients yes`): both
     clients present `tls_cert_file` / `tls_key_file`; without them both are turned away."""
     asking = start_terminator(tmp_path, tls_redis.redis.port, tls_redis.ca, client_certificates=True)
-    url = f"rediss://127.0.0.1:{asking.port}/0"
-    ca = tls_redis.ca
-    with_cert = RedisSettings(url=url, tls_ca_file=str(ca.ca_file), tls_cert_file=str(ca.client_cert), tls_key_file=str(ca.client_key))
-    without = RedisSettings(url=url, tls_ca_file=str(ca.ca_file))
     clients = []
     try:
+        url = f"rediss://127.0.0.1:{asking.port}/0"
+        ca = tls_redis.ca
+        with_cert = RedisSettings(url=url, tls_ca_file=str(ca.ca_file), tls_cert_file=str(ca.client_cert),
+                                  tls_key_file=str(ca.client_key))
+        without = RedisSettings(url=url, tls_ca_file=str(ca.ca_file))
         clients = [open_redis(with_cert, timeout_seconds=5), open_pipelined(with_cert, timeout_seconds=5),
                    open_redis(without, timeout_seconds=2), open_pipelined(without, timeout_seconds=2)]
         assert await clients[0].ping() is True
