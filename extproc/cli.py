@@ -273,6 +273,7 @@ def _serve(args) -> int:
     from extproc.operations.session_secret import SessionSecretError, session_secret
     from extproc.operations.workers import clear_stale_metrics, supervise, worker_command, worker_config
     from extproc.protocol.tracing import TracingUnavailable, otlp_span_exporter
+    from extproc.storage.tls import RedisTlsError
 
     config = load_config(args.config)
     if args.workers is not None and not 1 <= args.workers <= MAX_WORKERS:
@@ -295,7 +296,7 @@ def _serve(args) -> int:
             clear_stale_metrics()
         run_event_loop(serve(config, config_path=args.config, envoy_path=args.envoy, adjust=adjust, worker_index=args.worker_index or 0),
                        args.event_loop)
-    except (SessionSecretError, CredentialError, PairDisagrees, ListenError, TracingUnavailable) as exc:
+    except (SessionSecretError, CredentialError, PairDisagrees, ListenError, TracingUnavailable, RedisTlsError) as exc:
         print(f"iris-extproc: {exc}", file=sys.stderr)
         return 2
     return 0

@@ -189,6 +189,7 @@ def _redis_problems(redis: RedisSettings) -> list[str]:
         for i, node in enumerate(nodes or []):
             if not re.match(REDIS_NODE_PATTERN, node) or not 0 < int(node.rsplit(":", 1)[1]) < 65536:
                 problems.append(f"{at}[{i}]: {node!r} is not host:port")
+    problems.extend(_redis_tls_problems(redis))
     durable = redis.durable_admissions
     if durable is not None and durable.timeout_ms >= redis.socket_timeout_seconds * 1000:
         problems.append("redis.durable_admissions.timeout_ms: must be below redis.socket_timeout_seconds "
@@ -197,6 +198,20 @@ def _redis_problems(redis: RedisSettings) -> list[str]:
     if redis.epoch_grace_seconds is not None and redis.epoch_grace_seconds <= learn_within:
         problems.append(f"redis.epoch_grace_seconds: must exceed probe_interval_seconds and instance_heartbeat_seconds "
                         f"({_plain_number(learn_within)}), the time every instance takes to see a new epoch")
+    return problems
+
+
+def _redis_tls_problems(redis: RedisSettings) -> list[str]:
+    """TLS files only with TLS on; a key only with its certificate; no URL query options (redis-py
+    would take `?ssl_cert_reqs=none` and the like from it, the pipelined client would not)."""
+    problems = []
+    for name in ("tls_ca_file", "tls_cert_file", "tls_key_file"):
+        if getattr(redis, name) is not None and not redis.uses_tls:
+            problems.append(f"redis.{name}: TLS is off (set redis.tls: true, or a rediss:// url)")
+    if redis.tls_key_file is not None and redis.tls_cert_file is None:
+        problems.append("redis.tls_key_file: needs redis.tls_cert_file (the certificate it goes with)")
+    if urlsplit(redis.url).query:
+        problems.append("redis.url: query options are not supported; use the redis settings (tls, tls_ca_file, ...)")
     return problems
 
 

@@ -476,9 +476,14 @@ class RedisSettings(_Strict):
     One topology: a standalone Redis at `url` (`redis://` or `rediss://` for TLS, with
     `user:password@` if wanted), a Redis Cluster (`cluster`), or a primary behind Sentinel
     (`sentinel`). `username` and `password_env` (an environment variable, never the password
-    itself) authenticate to the data nodes of any topology; `tls` turns TLS on for cluster and
-    sentinel (a standalone URL says it with `rediss://`), verified against `tls_ca_file` or the
-    system's certificates. `durable_admissions` (off when None): WAIT for replicas after every
+    itself) authenticate to the data nodes of any topology. TLS (extproc.storage.tls, the same
+    for both clients): on with `tls: true` or a `rediss://` URL (Cluster and Sentinel: `tls:
+    true`), for every connection of the topology (each cluster node; the sentinels and the
+    primary); the server's certificate is verified against `tls_ca_file` (PEM; else the system's
+    certificates) and must name the host connected to; `tls_cert_file` and `tls_key_file` (PEM)
+    are the client's certificate and key, for a Redis with `tls-auth-clients yes` (the key may sit
+    in the certificate's file). A certificate not verified is refused at start (exit code 2),
+    never taken for an outage. `durable_admissions` (off when None): WAIT for replicas after every
     admission (DurableAdmissions).
 
     `hot_path_client`: the client the routing state's scripts (admissions, renewals, releases,
@@ -496,6 +501,8 @@ class RedisSettings(_Strict):
     password_env: Annotated[str | None, RESTART_ONLY] = Field(default=None, min_length=1)
     tls: Annotated[bool, RESTART_ONLY] = False
     tls_ca_file: Annotated[str | None, RESTART_ONLY] = Field(default=None, min_length=1)
+    tls_cert_file: Annotated[str | None, RESTART_ONLY] = Field(default=None, min_length=1)
+    tls_key_file: Annotated[str | None, RESTART_ONLY] = Field(default=None, min_length=1)
     key_prefix: Annotated[str, RESTART_ONLY] = Field(default="iris", pattern=r"^[A-Za-z0-9._:-]+$")
     socket_timeout_seconds: Annotated[float, RESTART_ONLY] = Field(default=0.5, gt=0)
     max_connections: Annotated[int, RESTART_ONLY] = Field(default=64, gt=0)
@@ -507,6 +514,12 @@ class RedisSettings(_Strict):
     durable_admissions: DurableAdmissions | None = None
     hot_path_client: Annotated[Literal["pipelined", "redis-py"], RESTART_ONLY] = "pipelined"
     epoch_grace_seconds: float | None = Field(default=None, gt=0)
+
+    @property
+    def uses_tls(self) -> bool:
+        """Whether connections to Redis use TLS: `tls: true`, or a standalone `rediss://` URL."""
+        standalone = self.cluster is None and self.sentinel is None
+        return self.tls or (standalone and self.url.startswith("rediss://"))
 
     @property
     def epoch_grace(self) -> float:

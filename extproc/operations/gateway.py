@@ -38,6 +38,7 @@ from extproc.routing.outage import InstanceRegistry, OutagePolicy, RedisBreaker
 from extproc.routing.queue import Wakeups
 from extproc.storage.client import REDIS_FAILURES, open_redis
 from extproc.storage.pipelined import PipelinedRedis, open_pipelined
+from extproc.storage.tls import RedisTlsError, is_tls_failure
 from extproc.supervision import run_every
 
 log = logging.getLogger(__name__)
@@ -99,7 +100,10 @@ class Gateway:
         self._background: list[asyncio.Task] = []
 
     async def start(self) -> None:
-        """Load scripts and flags when Redis is there (it may come later), start serving."""
+        """Reach Redis with both clients, load scripts and flags when Redis is there (it may
+        come later), start serving. Raises RedisTlsError when a client's TLS handshake with
+        Redis fails (a configuration error, not an outage: extproc.storage.tls)."""
+        await self._first_contact()
         self.leases.start()
         try:
             await self.leases.state.load_scripts()
@@ -124,6 +128,23 @@ class Gateway:
         await self.server.start()
         freeze_start_up_heap()
         log.info("ext_proc server listening on %s", self.listen)
+
+    async def _first_contact(self) -> None:
+        """A PING by each client (redis-py, and the hot path's when it has its own). An
+        unreachable Redis is logged (it may come later); a failed TLS
+        handshake raises RedisTlsError, so that a wrong CA never runs as a Redis outage."""
+        pings = [("redis-py", self.redis.ping)]
+        if self.hot_path is not None:
+            pings.append(("pipelined", lambda: self.hot_path.execute("PING")))
+        for name, ping in pings:
+            try:
+                await ping()
+            except REDIS_FAILURES as exc:
+                if is_tls_failure(exc):
+                    raise RedisTlsError(f"redis: the {name} client's TLS handshake failed (redis.tls_ca_file: "
+                                        f"{self.config.redis.tls_ca_file or 'the system certificates'}): {exc}") from exc
+                log.warning("redis not reachable at start-up, continuing: %s", exc)
+                return
 
     async def _heartbeat_once(self) -> None:
         """Keep this instance registered, so every instance knows the live count, and watch the
@@ -268,7 +289,8 @@ async def serve(
     to every reloaded one too. `worker_index`: this worker's index, which picks its port
     (`server.worker_listen`).
 
-    Raises session_secret.SessionSecretError, adaptation.CredentialError, ports.ListenError."""
+    Raises session_secret.SessionSecretError, adaptation.CredentialError, ports.ListenError,
+    storage.tls.RedisTlsError."""
     grpc_logs.quiet_peer_gone_errors()
     gateway = Gateway(config, session_secret(config), worker_index)
     await gateway.start()

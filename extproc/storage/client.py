@@ -29,6 +29,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError, NoScriptError, RedisClusterException, RedisError
 
 from extproc.config import ConfigError, RedisSettings
+from extproc.storage.tls import redis_tls
 
 RedisClient = Redis | RedisCluster
 
@@ -75,11 +76,15 @@ async def redis_time_ms(redis: RedisClient, key: str) -> int:
 def open_redis(settings: RedisSettings, timeout_seconds: float | None = None) -> RedisClient:
     """A client for the configured topology. `timeout_seconds` (seconds) overrides
     `settings.socket_timeout_seconds` for connecting, each command and waiting for a pooled
-    connection. Nothing is contacted yet.
+    connection. TLS as extproc.storage.tls gives it, to every connection (the sentinels' too).
+    Nothing is contacted yet.
 
-    Raises ConfigError when `password_env` or `sentinel.password_env` names an unset variable."""
+    Raises ConfigError when `password_env` or `sentinel.password_env` names an unset variable,
+    or a TLS file cannot be used."""
     timeout = settings.socket_timeout_seconds if timeout_seconds is None else timeout_seconds
     password = secret_from_env(settings.password_env, "redis.password_env")
+    tls = redis_tls(settings)
+    tls_kwargs = tls.redis_py_kwargs() if tls is not None else {}
     if settings.cluster is not None:
         return RedisCluster(
             startup_nodes=[ClusterNode(*host_port(node)) for node in settings.cluster.nodes],
@@ -92,10 +97,10 @@ def open_redis(settings: RedisSettings, timeout_seconds: float | None = None) ->
             require_full_coverage=False,
             # One retry after a connection error, at once: the client reloads the slot map in between.
             retry=Retry(NoBackoff(), retries=1),
-            **_tls(settings),
+            **tls_kwargs,
         )
     if settings.sentinel is not None:
-        common = {"socket_timeout": timeout, "socket_connect_timeout": timeout, **_tls(settings)}
+        common = {"socket_timeout": timeout, "socket_connect_timeout": timeout, **tls_kwargs}
         sentinel_password = secret_from_env(settings.sentinel.password_env, "redis.sentinel.password_env")
         sentinel = Sentinel(
             [host_port(node) for node in settings.sentinel.sentinels],
@@ -112,6 +117,8 @@ def open_redis(settings: RedisSettings, timeout_seconds: float | None = None) ->
             retry_on_error=[ConnectionError],
         )
     auth = {k: v for k, v in (("username", settings.username), ("password", password)) if v}
+    if tls is not None:  # `rediss://` or `tls: true` with `redis://` alike
+        auth.update(tls.redis_py_pool_kwargs())
     return connect(settings.url, timeout, settings.max_connections, **auth)
 
 
@@ -207,12 +214,6 @@ def host_port(node: str) -> tuple[str, int]:
     """`host:port` (IPv6 in brackets) as (host, port)."""
     host, port = node.rsplit(":", 1)
     return host.strip("[]"), int(port)
-
-
-def _tls(settings: RedisSettings) -> dict[str, object]:
-    if not settings.tls:
-        return {}
-    return {"ssl": True, "ssl_ca_certs": settings.tls_ca_file}
 
 
 def is_pool_exhausted(error: BaseException) -> bool:

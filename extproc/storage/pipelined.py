@@ -24,8 +24,9 @@ a standalone Redis (`url`, `redis://` or `rediss://`, `user:password@`, `/db`), 
 honoured, MOVED followed with a map refresh and ASK with ASKING, at most `MAX_REDIRECTIONS`
 times; a node that fails refreshes the map from another node), or a primary behind Sentinel
 (`sentinel`: SENTINEL get-master-addr-by-name, ROLE checked on connect, asked again after a
-connection error, a READONLY reply or a stall). AUTH (`username`, `password_env`) and TLS
-(`tls`, `tls_ca_file`, `rediss://`) as `open_redis` applies them.
+connection error, a READONLY reply or a stall). AUTH (`username`, `password_env`) as `open_redis`
+applies it, and TLS from the same owner (extproc.storage.tls) to every connection: each node, the
+sentinels and the primary.
 
 Every error is a redis-py exception class (`extproc.storage.client.REDIS_FAILURES` catches them
 all), and error replies are redis-py's (`NoScriptError`, `ReadOnlyError`, `ResponseError`...).
@@ -61,6 +62,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from extproc.config import RedisSettings
 from extproc.storage.client import host_port, secret_from_env
+from extproc.storage.tls import redis_tls
 
 MAX_REDIRECTIONS = 5
 """MOVED / ASK / TRYAGAIN replies followed per call before the last one is raised."""
@@ -829,10 +831,12 @@ def open_pipelined(
     once, as the pool's connections bound them for redis-py); `stall_seconds` as in
     PipelinedRedis. Nothing is contacted yet.
 
-    Raises ConfigError when `password_env` or `sentinel.password_env` names an unset variable."""
+    Raises ConfigError when `password_env` or `sentinel.password_env` names an unset variable,
+    or a TLS file cannot be used."""
     timeout = settings.socket_timeout_seconds if timeout_seconds is None else timeout_seconds
     password = secret_from_env(settings.password_env, "redis.password_env")
-    tls = _ssl_context(settings.tls_ca_file) if settings.tls else None
+    tls_settings = redis_tls(settings)
+    tls = tls_settings.ssl_context() if tls_settings is not None else None
     common = {"timeout": timeout, "max_in_flight": max_in_flight or settings.max_connections, "stall_seconds": stall_seconds}
     if settings.cluster is not None:
         options = ConnectOptions(settings.username, password, 0, tls, timeout)
@@ -845,8 +849,6 @@ def open_pipelined(
                                    settings.sentinel.service_name, options, sentinel_options)
         return PipelinedRedis(topology, **common)
     url = urlparse(settings.url)
-    if url.scheme == "rediss" and tls is None:
-        tls = _ssl_context(settings.tls_ca_file)
     db = int(url.path.lstrip("/") or 0)
     options = ConnectOptions(
         unquote(url.username) if url.username else settings.username,
@@ -854,8 +856,3 @@ def open_pipelined(
         db, tls, timeout,
     )
     return PipelinedRedis(Standalone(url.hostname or "127.0.0.1", url.port or 6379, options), **common)
-
-
-def _ssl_context(ca_file: str | None) -> ssl.SSLContext:
-    return ssl.create_default_context(cafile=ca_file)
-
