@@ -179,12 +179,12 @@ def test_a_chained_turn_to_a_model_its_storing_provider_does_not_serve_is_refuse
 
 # -- chain records of polled and background responses (short timeouts) ---------------------------
 
-CHAIN_TTL_SECONDS = 3.0  # pin_inactivity_timeout_seconds + lease_timeout_seconds below
+CHAIN_TTL_SECONDS = 4.0  # pin_inactivity_timeout_seconds + lease_timeout_seconds below
 
 
 @pytest.fixture(scope="module")
 def short_gateway(tmp_path_factory):
-    gw = start(tmp_path_factory.mktemp("short"), pin_inactivity_timeout_seconds=1.5, lease_timeout_seconds=1.5,
+    gw = start(tmp_path_factory.mktemp("short"), pin_inactivity_timeout_seconds=2, lease_timeout_seconds=2,
                redis={"key_prefix": "ans"})
     yield gw
     gw.stop()
@@ -210,11 +210,11 @@ def get(gateway, path: str, headers: dict[str, str]) -> httpx.Response:
 
 
 def test_a_background_response_is_polled_and_cancelled_past_the_chain_ttl(sgw):
-    """A background response that runs 12 s, polled with gaps longer than the chain TTL (3 s).
-    Before, the record expired 3 s after the creating answer: polls and the cancel got the
-    router's 404 while the provider said in_progress."""
+    """A background response that would run 30 s, polled with gaps longer than the chain TTL (4 s),
+    then cancelled. Before, the record expired 4 s after the creating answer: polls and the cancel
+    got the router's 404 while the provider said in_progress."""
     dave = user()
-    created = post(sgw, "/v1/responses", {"model": "alpha", "input": "think long", "max_output_tokens": 600, "background": True}, dave)
+    created = post(sgw, "/v1/responses", {"model": "alpha", "input": "think long", "max_output_tokens": 1500, "background": True}, dave)
     assert created.status_code == 200 and created.json()["status"] == "queued"
     response_id = created.json()["id"]
     for _ in range(2):
@@ -241,13 +241,13 @@ def test_a_completed_background_response_gets_the_chain_ttl_from_the_poll_that_s
 
 def test_a_lookup_the_provider_answers_restarts_the_records_ttl(sgw):
     """A stored (not background) response, read again and again: each answered lookup restarts
-    its record's TTL, so reads 2 s apart outlive the 3 s TTL."""
+    its record's TTL, so reads 2.5 s apart outlive the 4 s TTL."""
     frank = user()
     created = post(sgw, "/v1/responses", {"model": "alpha", "input": "hi", "max_output_tokens": 2}, frank)
     response_id = created.json()["id"]
     for path in (f"/v1/responses/{response_id}", f"/v1/responses/{response_id}/input_items",
                  f"/v1/responses/{response_id}", f"/v1/responses/{response_id}/input_items"):
-        time.sleep(CHAIN_TTL_SECONDS - 1)
+        time.sleep(CHAIN_TTL_SECONDS - 1.5)
         looked_up = get(sgw, path, frank)
         assert looked_up.status_code == 200, (path, looked_up.text)
         assert wait_until(lambda: record_ttl_ms(sgw, "alpha") > (CHAIN_TTL_SECONDS - 0.5) * 1000, within_seconds=2)
