@@ -74,7 +74,8 @@ from aiohttp import web
 _log = logging.getLogger("irislab.simulator")
 
 RECENT_REQUESTS = 50
-EMBEDDING_DIM = 8
+EMBEDDING_DIM = 8  # the vectors' length unless a request asks for `dimensions`
+MAX_EMBEDDING_DIM = 4096
 _MAX_BODY_BYTES = 64 * 1024 * 1024
 _SHUTDOWN_TIMEOUT_S = 2.0
 _LISTEN_BACKLOG = 1024
@@ -749,10 +750,10 @@ class _ResponsesApi:
 _GenerationApi = _ChatApi | _CompletionsApi | _ResponsesApi
 
 
-def _embedding(text: str) -> list[float]:
-    """A deterministic vector of EMBEDDING_DIM floats in [-1, 1) derived from the text's hash."""
-    digest = hashlib.blake2b(text.encode(), digest_size=4 * EMBEDDING_DIM).digest()
-    return [value / 2**31 - 1.0 for value in struct.unpack(f"<{EMBEDDING_DIM}I", digest)]
+def _embedding(text: str, dimensions: int = EMBEDDING_DIM) -> list[float]:
+    """A deterministic vector of `dimensions` floats in [-1, 1) derived from the text's hash."""
+    digest = hashlib.shake_256(text.encode()).digest(4 * dimensions)
+    return [value / 2**31 - 1.0 for value in struct.unpack(f"<{dimensions}I", digest)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1131,13 +1132,16 @@ class _Service:
         self, request: web.Request, body: dict[str, Any], exchange: _Exchange, drop: bool
     ) -> web.StreamResponse:
         texts = _strings(body.get("input"), "input")
+        dimensions = body.get("dimensions", EMBEDDING_DIM)  # OpenAI's parameter: the vectors' length
+        if isinstance(dimensions, bool) or not isinstance(dimensions, int) or not 1 <= dimensions <= MAX_EMBEDDING_DIM:
+            raise _invalid(f"'dimensions' must be an integer from 1 to {MAX_EMBEDDING_DIM}")
         prompt_tokens = sum(len(text.split()) for text in texts)
         self.state.prompt_tokens += prompt_tokens
         if drop:
             return self._drop(request, exchange)
         await asyncio.sleep(self.config.ttft_ms / 1000)
         data = [
-            {"object": "embedding", "index": index, "embedding": _embedding(text)}
+            {"object": "embedding", "index": index, "embedding": _embedding(text, dimensions)}
             for index, text in enumerate(texts)
         ]
         exchange.outcome = "200"

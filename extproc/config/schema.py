@@ -577,7 +577,14 @@ class SessionSettings(_Strict):
     `max_response_chains`: per model, the Responses chain records kept at most (each lives as long
     as its session's pin can), so Redis memory stays bounded whatever clients send, as pins are
     (`max_pinned_sessions_unlimited`); a response beyond the cap is not recorded, and a turn
-    continuing it starts a new session. Null removes the bound."""
+    continuing it starts a new session. Null removes the bound.
+
+    `background_response_ttl_seconds`: how long the chain record of a response that its provider
+    reports as still running (status `queued` or `in_progress`: a `background: true` response)
+    is kept without news of it; every answer that says it still runs (the creating answer, a poll,
+    a cancel) starts it again, and an answer that says it ended gives the record the chain TTL
+    (`pin_inactivity_timeout_seconds + lease_timeout_seconds`) from then on. Polls and lookups
+    that the provider answers restart a record's TTL in every case (extproc.openai_api.chains)."""
 
     secret_env: Annotated[str, RESTART_ONLY] = "IRIS_SESSION_SECRET"
     identity_sources: list[IdentitySource] = Field(default=list(IdentitySource), min_length=0)
@@ -587,6 +594,7 @@ class SessionSettings(_Strict):
     agent_session_headers: list[HeaderName] = list(DEFAULT_AGENT_SESSION_HEADERS)
     completions_prefix_chars: int = Field(default=2048, gt=0)
     max_response_chains: int | None = Field(default=100_000, ge=1)
+    background_response_ttl_seconds: float = Field(default=86_400, gt=0)
 
 
 MAX_WORKERS = 64  # ext_proc worker processes of one server (consecutive ports)

@@ -11,16 +11,23 @@ A lookup takes no in-flight slot and holds no lease: it generates nothing, and a
 background response must not wait behind (or crowd out) generations. It goes to the storing
 provider whatever that provider's state (drained or degraded pairs still hold their responses);
 only a provider the configuration no longer routes to is refused (503).
+
+A lookup the provider answers (2xx) starts the chain record's TTL again (`refresh_looked_up`), so
+a client polling a background response never outlives its record: an answer that says the
+response still runs (`queued`, `in_progress`) keeps it for the background TTL, one that says it
+ended gives it the chain TTL from then on (extproc.openai_api.chains).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingResponse
 
 from extproc import metrics
 from extproc.config import Provider
+from extproc.openai_api.chains import RUNNING_STATUSES, ResponseChains
 from extproc.openai_api.request import ResponseLookup
 from extproc.protocol import answers, tracing
 from extproc.protocol import messages as msg
@@ -28,6 +35,8 @@ from extproc.protocol.live import LiveConfig
 from extproc.routing.lease_table import Refusal
 from extproc.routing.outage import RedisBreaker
 from extproc.storage.client import REDIS_FAILURES, in_own_task
+
+log = logging.getLogger(__name__)
 
 REASON = "response_lookup"  # the access log's `reason` (and x-iris-route-reason) of a lookup
 RENAMED_ACTIONS = ("retrieve", "cancel")  # answered with the response object, whose `model` is the client's
@@ -75,7 +84,7 @@ async def route_lookup(
     upstream = live.adapter.upstream_model(provider, model) if live.config.adaptation.restore_model_name else None
     metadata = {"provider": provider.name, "reason": REASON}
     set_headers = change.set_headers
-    if upstream is not None and lookup.action in RENAMED_ACTIONS:  # the answer's model name is restored: not compressed
+    if lookup.action in RENAMED_ACTIONS:  # the answer is read (its status, its model name): not compressed
         set_headers = {**set_headers, **msg.UNENCODED_ANSWER}
     overwritten = {routing_header, *set_headers}  # set below, over any copy a client sent
     removed = [h for h in remove if h not in overwritten] + change.remove
@@ -84,3 +93,18 @@ async def route_lookup(
     answer = msg.route_headers_to_cluster(routing_header, change.cluster, set_headers, removed, metadata)
     metrics.child(metrics.RESPONSE_LOOKUPS, lookup.action).inc()
     return answer, RoutedLookup(lookup, provider, model, identity, upstream)
+
+
+async def refresh_looked_up(chains: ResponseChains, routed: RoutedLookup, status: str | None) -> None:
+    """After the provider answered `routed` (2xx): start its chain record's TTL again. `status`:
+    the response's status the answer gives (None: not read): running (RUNNING_STATUSES) keeps
+    the record for the background TTL; any other status says the response ended, and the record
+    gets the chain TTL from now; None only lengthens the record's life. A delete's record is
+    gone already. Redis failures are logged, not raised: the answer passes either way."""
+    if routed.lookup.action == "delete":
+        return
+    running = status in RUNNING_STATUSES
+    try:
+        await chains.refresh(routed.model, routed.identity, routed.lookup.response_id, running, ended=status is not None and not running)
+    except REDIS_FAILURES as exc:
+        log.warning("response chain TTL not refreshed after a lookup (redis): %s", exc)

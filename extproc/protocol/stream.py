@@ -7,7 +7,9 @@ header with clear_route_cache) -> response headers (record `:status`; a `/v1/res
 asks for its body, and so does an answer whose token usage is counted: `token_usage`) -> response
 body, only for those (record the response id: extproc.openai_api.chains; count the usage:
 extproc.openai_api.usage) -> response trailers -> stream end, when the lease is released,
-refreshing the pin only after a 2xx. With tracing on (extproc.protocol.tracing), a span runs from
+refreshing the pin only after a 2xx. An answer body is asked for BUFFERED only when it is JSON
+that announces at most WHOLE_BODY_MAX_BYTES: Envoy fails (500) an answer larger than its buffer
+that it must buffer, so any other is read STREAMED, chunk by chunk, and never held whole. With tracing on (extproc.protocol.tracing), a span runs from
 the parsed body to the stream end.
 
 The stream loop knows only Envoy's phases: it hands each decision to the lease table
@@ -32,7 +34,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingRequest, 
 
 from extproc import metrics
 from extproc.config import Config, Provider, ProviderKind
-from extproc.openai_api.chains import ChainLink, ResponseChains, ResponseIdReader
+from extproc.openai_api.chains import ChainLink, ResponseChains, ResponseReader
 from extproc.openai_api.renaming import ModelNameRewriter
 from extproc.openai_api.request import ParsedRequest, RequestError, feature_for_path, parse_request, response_lookup
 from extproc.openai_api.sessions import HeaderSignals, SessionKeys, previous_response_id
@@ -41,13 +43,19 @@ from extproc.protocol import answers, tracing
 from extproc.protocol import messages as msg
 from extproc.protocol.live import LiveConfig
 from extproc.protocol.lookups import REASON as LOOKUP_REASON
-from extproc.protocol.lookups import RENAMED_ACTIONS, RoutedLookup, route_lookup
+from extproc.protocol.lookups import RENAMED_ACTIONS, RoutedLookup, refresh_looked_up, route_lookup
 from extproc.routing.lease_table import Held, LeaseTable, Refusal
 from extproc.routing.outage import RedisBreaker
 from extproc.routing.router import Decision, Rejection, RejectionKind, RoutingRequest
 from extproc.storage.client import REDIS_FAILURES, in_own_task
 
 log = logging.getLogger(__name__)
+
+# A JSON answer to read or rewrite is asked for BUFFERED (one round trip, its content-length kept)
+# only when its content-length says at most this many bytes: below Envoy's default buffer limit
+# (1 MiB; envoy/envoy.yaml's listener has 16 MiB), which a larger buffered answer would exceed
+# (Envoy then answers 500, response_payload_too_large). Any other is read STREAMED.
+WHOLE_BODY_MAX_BYTES = 256 * 1024
 
 
 class UpstreamObserver(Protocol):
@@ -71,13 +79,16 @@ class StreamState:
     priority_header: str | None = None  # the admission queue's trusted class header, when configured (docs/queue.md)
     session_id: str | None = None
     stores_response: bool = False  # a /v1/responses request whose answer is stored (store not false)
+    background: bool = False  # a /v1/responses request with `background: true`
     reads_response_id: bool = False  # the answer's response id is worth its cost (see _routing_request)
     model: str = ""
     held: Held | None = None
     decision: Decision | None = None
     status: int | None = None
-    reader: ResponseIdReader | None = None
+    reader: ResponseReader | None = None
     response_id: str | None = None  # the Responses answer's id, once recorded as a chain
+    chain_running: bool = False  # the recorded response still runs (background): its record keeps the background TTL
+    buffered: bool = False  # the answer body was asked for BUFFERED (whole, content-length kept)
     upstream_model: str | None = None  # the provider's name of the model, to rewrite in the answer
     rewriter: ModelNameRewriter | None = None
     lookup: RoutedLookup | None = None  # a stored response by id, routed in the headers phase
@@ -228,7 +239,10 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
                 raise RequestError(404, f"the model '{parsed.model[:200]}' does not exist", "model_not_found", param="model")
         except RequestError as exc:
             return answers.request_error(exc)
-        routing_request = await self._routing_request(stream, parsed)
+        try:
+            routing_request = await self._routing_request(stream, parsed)
+        except RequestError as exc:
+            return answers.request_error(exc)
         span = None if self.tracer is None else self.tracer.start(stream.trace_headers, parsed.feature, parsed.model)
         started = time.perf_counter()
         try:
@@ -281,20 +295,23 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
 
     async def _routing_request(self, stream: StreamState, parsed: ParsedRequest) -> RoutingRequest:
         """Identity, session key and, for a Responses turn continuing a stored response, the
-        provider that stores it (docs/sessions.md "Identity and sessions")."""
+        provider that stores it (docs/sessions.md "Identity and sessions"). Raises RequestError
+        (400 previous_response_unavailable) for a turn that switches to a model its previous
+        response's provider does not serve."""
         stream.identity = self.sessions.identity(stream.signals, parsed)
         link = None
         previous = previous_response_id(parsed)
         breaker = self.breaker
         if previous is not None and not breaker.is_open:
             try:
-                link = await in_own_task(self.chains.lookup(parsed.model, stream.identity, previous))
+                link = await in_own_task(self._chain_of(parsed.model, stream.identity, previous))
                 breaker.record_success()
             except REDIS_FAILURES as exc:
                 breaker.record_failure(exc)
         key = self.sessions.session(stream.signals, parsed, stream.identity, link.session_id if link else None)
         stream.session_id = key.session_id
         stream.stores_response = parsed.feature == "responses" and parsed.body.get("store") is not False
+        stream.background = parsed.feature == "responses" and parsed.body.get("background") is True
         # A stored answer binds its chain to the provider: always read. An unstored one only tells
         # the next turn its session, which a signal ranked before previous_response_id tells anyway.
         stream.reads_response_id = parsed.feature == "responses" and (
@@ -308,6 +325,28 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
             priority, tenant = queue.class_for(stream.priority_header, stream.identity), self.sessions.tenant(stream.identity)
         share = self.sessions.identity_key(stream.identity) if self.config.routing.third_party_share is not None else None
         return RoutingRequest(parsed.model, parsed.feature, parsed.sub_features, key.session_id, required, priority, tenant, share)
+
+    async def _chain_of(self, model: str, identity: str, response_id: str) -> ChainLink | None:
+        """The chain record of `response_id` for `identity`: under `model`, else under any other
+        model a stored response may belong to, as lookups by id find it (a turn may switch model,
+        as OpenAI's API allows; the response stays where it was stored). Raises RequestError (400
+        previous_response_unavailable) when the storing provider does not serve `model`."""
+        link = await self.chains.lookup(model, identity, response_id)
+        if link is not None:
+            return link
+        found = await self.chains.find(identity, response_id, [m for m in self.live.responses_models if m != model])
+        if found is None:
+            return None
+        stored_model, link = found
+        if link.provider is not None and all(p.name != link.provider for p in self.config.providers_for(model)):
+            raise RequestError(
+                400,
+                f"the previous response '{response_id[:100]}' was made with model '{stored_model}' and is stored on provider "
+                f"{link.provider}, which does not serve model '{model[:200]}': continue the chain with a model that provider "
+                "serves, or start a new chain without previous_response_id",
+                "previous_response_unavailable", param="previous_response_id",
+            )
+        return link
 
     def _answer_refused(
         self, outcome: Refusal | Rejection, request: RoutingRequest, parsed: ParsedRequest, live: LiveConfig, decision_ms: float
@@ -353,15 +392,20 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
         read_body, remove = None, None
         if 200 <= stream.status < 300:
             read_body, remove = self._body_readers(stream, request)
+            if stream.lookup is not None and stream.reader is None:  # answered, and its status is not read
+                self._spawn_chain_task(refresh_looked_up(self.chains, stream.lookup, None))
         return msg.continue_response_headers(extra or None, read_body, remove)
 
     def _body_readers(self, stream: StreamState, request: ProcessingRequest) -> tuple[str | None, list[str] | None]:
-        """For a 2xx answer: set up what reads or rewrites its body (the Responses id, the model
-        name, the token usage) and return (the body mode to ask Envoy for, headers to remove), or
-        (None, None) when none applies. A compressed body is neither read nor rewritten."""
+        """For a 2xx answer: set up what reads or rewrites its body (the Responses id and status,
+        the model name, the token usage) and return (the body mode to ask Envoy for, headers to
+        remove), or (None, None) when none applies. A compressed body is neither read nor
+        rewritten. BUFFERED only for a JSON answer of a known length of at most
+        WHOLE_BODY_MAX_BYTES; otherwise STREAMED, without content-length when it is rewritten."""
         reads_id = stream.decision is not None and stream.reads_response_id and not self.breaker.is_open
+        reads_status = stream.lookup is not None and stream.lookup.lookup.action in ("retrieve", "cancel")
         counts_usage = stream.decision is not None and self._counts_usage(stream.decision.provider)
-        if not (reads_id or counts_usage or stream.upstream_model is not None):
+        if not (reads_id or reads_status or counts_usage or stream.upstream_model is not None):
             return None, None
         headers = msg.header_map(request.response_headers)
         if headers.get("content-encoding", "identity") not in ("", "identity"):
@@ -369,19 +413,17 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
                 metrics.child(metrics.USAGE_UNREPORTED, stream.decision.provider.name, stream.model).inc()
             return None, None
         event_stream = headers.get("content-type", "").startswith("text/event-stream")
-        remove = None
-        if reads_id:
-            stream.reader = ResponseIdReader(event_stream)
-        if stream.upstream_model is not None:
-            stream.rewriter = ModelNameRewriter(stream.upstream_model, stream.model, event_stream)
-            remove = ["content-length"] if event_stream else None  # chunks may change length
+        reads_status = reads_status and not event_stream  # a resumed stream need not start with the response
+        if reads_id or reads_status:
+            stream.reader = ResponseReader(event_stream)
         if counts_usage:
             stream.usage = UsageReader()
-        # The usage alone is read chunk by chunk whatever the answer's size; the id and the
-        # rewrite take a JSON answer whole.
-        if reads_id or stream.upstream_model is not None:
-            return ("STREAMED" if event_stream else "BUFFERED"), remove
-        return "STREAMED", remove
+        stream.buffered = not event_stream and _announced_length(headers) <= WHOLE_BODY_MAX_BYTES
+        if stream.upstream_model is not None:
+            stream.rewriter = ModelNameRewriter(stream.upstream_model, stream.model, event_stream)
+            if not stream.buffered:  # chunks may change length
+                return "STREAMED", ["content-length"]
+        return ("BUFFERED" if stream.buffered else "STREAMED"), None
 
     async def _on_lookup_answer(self, stream: StreamState) -> None:
         """A lookup's answer: after a delete the provider answered 2xx, the chain record goes too;
@@ -426,27 +468,32 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
         if stream.usage is not None and not stream.usage.done:
             self._count_usage(stream, chunk, end)
         reader = stream.reader
-        if reader is not None and not reader.done:
-            response_id = reader.feed(chunk, end)
-            if response_id is not None:
-                await self._record_chain(stream, response_id)
+        if reader is not None and not reader.done and reader.feed(chunk, end):
+            if stream.lookup is not None:
+                self._spawn_chain_task(refresh_looked_up(self.chains, stream.lookup, reader.status))
+            elif reader.response_id is not None:
+                await self._record_chain(stream, reader.response_id, stream.background and reader.running)
+        if end and stream.chain_running and reader is not None and reader.event_stream:
+            stream.chain_running = False  # a background response's stream ends when the response does
         rewriter = stream.rewriter
         if rewriter is None:
             return msg.continue_response_body()
         rewritten = rewriter.feed(chunk, end)
         if rewritten is chunk:
             return msg.continue_response_body()
-        return msg.continue_response_body(rewritten, content_length=not rewriter.event_stream)
+        return msg.continue_response_body(rewritten, content_length=stream.buffered)
 
-    async def _record_chain(self, stream: StreamState, response_id: str) -> None:
-        """Before the client can see the id: so a next turn through any instance finds it."""
+    async def _record_chain(self, stream: StreamState, response_id: str, running: bool) -> None:
+        """Before the client can see the id: so a next turn through any instance finds it.
+        `running`: a background response the answer says still runs (its record keeps the
+        background TTL)."""
         provider = stream.decision.provider.name if stream.stores_response else None
         try:
             link = ChainLink(stream.session_id, provider)
-            if not await in_own_task(self.chains.record(stream.model, stream.identity, response_id, link)):
+            if not await in_own_task(self.chains.record(stream.model, stream.identity, response_id, link, running)):
                 metrics.CHAINS_CAPPED.inc()
                 return
-            stream.response_id = response_id
+            stream.response_id, stream.chain_running = response_id, running
             self._keep_chain(stream)
             metrics.CHAINS_RECORDED.inc()
         except REDIS_FAILURES as exc:
@@ -481,12 +528,15 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
         self._spawn_chain_task(keep())
 
     def _refresh_chain(self, stream: StreamState) -> None:
-        """In the background (the stream is over): the chain's TTL starts again at the answer's end."""
-        self._spawn_chain_task(self._refresh_chain_once(stream))
+        """In the background (the stream is over): the chain's TTL starts again at the answer's
+        end; a background response still running keeps its longer one."""
+        running = stream.chain_running
+        self._spawn_chain_task(self._refresh_chain_once(stream, running=running, ended=not running))
 
-    async def _refresh_chain_once(self, stream: StreamState) -> None:
+    async def _refresh_chain_once(self, stream: StreamState, running: bool | None = None, ended: bool = False) -> None:
         try:
-            await self.chains.refresh(stream.model, stream.identity, stream.response_id)
+            running = stream.chain_running if running is None else running
+            await self.chains.refresh(stream.model, stream.identity, stream.response_id, running, ended)
         except REDIS_FAILURES as exc:
             log.warning("response chain TTL not refreshed (redis): %s", exc)
 
@@ -494,3 +544,12 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
         task = asyncio.get_running_loop().create_task(coroutine)
         self._chain_refreshes.add(task)
         task.add_done_callback(self._chain_refreshes.discard)
+
+
+def _announced_length(headers: dict[str, str]) -> float:
+    """The answer's content-length in bytes; infinity when it announces none (chunked) or an
+    unreadable one."""
+    try:
+        return int(headers["content-length"])
+    except (KeyError, ValueError):
+        return float("inf")

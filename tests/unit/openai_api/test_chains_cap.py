@@ -57,3 +57,23 @@ async def test_find_looks_under_every_model_and_forget_frees_the_place(redis_cli
     await bounded.forget("e", "alice", "resp_1")
     assert await bounded.find("alice", "resp_1", ["m", "e"]) is None
     assert await bounded.record("e", "alice", "resp_2", link)  # its place is free again
+
+
+async def test_a_running_response_keeps_its_longer_ttl_until_an_answer_says_it_ended(redis_client, redis_url):
+    """A background response's record lives the background TTL (here 60 s against a chain TTL of
+    0.25 s); a refresh never shortens it, nor the record's place under the cap; `ended` does."""
+    data = small_config_data(redis_url, pin_inactivity_timeout_seconds=0.2, lease_timeout_seconds=0.05)
+    data["session"] = {"max_response_chains": 10, "background_response_ttl_seconds": 60}
+    bounded = ResponseChains(redis_client, parse_config(data), b"secret")
+    key, places = bounded.key("m", "alice", "resp_1"), bounded.keys.response_chains("m")
+    assert await bounded.record("m", "alice", "resp_1", ChainLink("session", "iris-1"), running=True)
+    assert 59_000 < await redis_client.pttl(key) <= 60_000
+    assert await bounded.refresh("m", "alice", "resp_1")  # a poll whose status was not read
+    assert 59_000 < await redis_client.pttl(key) <= 60_000
+    await asyncio.sleep(0.35)  # past the chain TTL: the record and its place stay
+    assert await bounded.lookup("m", "alice", "resp_1") is not None and await redis_client.zcard(places) == 1
+    assert await bounded.refresh("m", "alice", "resp_1", running=False, ended=True)  # completed
+    assert await redis_client.pttl(key) <= 250
+    await asyncio.sleep(0.35)
+    assert await bounded.lookup("m", "alice", "resp_1") is None
+    assert not await bounded.refresh("m", "alice", "resp_1", running=True)  # gone stays gone

@@ -60,3 +60,29 @@ def test_a_client_name_with_json_escapes_stays_valid_json():
     odd = 'm\\"1'
     body = orjson.dumps({"model": UPSTREAM})
     assert orjson.loads(ModelNameRewriter(UPSTREAM, odd, False).feed(body, True)) == {"model": odd}
+
+
+def test_a_streamed_json_answer_is_rewritten_however_it_is_cut():
+    """A JSON answer too large for Envoy to buffer comes STREAMED: a member cut anywhere, even
+    after a backslash of `\\/`, or right after its closing quote, is held back until it is whole;
+    quoted text stays as it is."""
+    item = {"quote": '"model": "tensorx/llama-3.1-70b-instruct" \\', "model": UPSTREAM, "other": UPSTREAM}
+    body = (b'{"model" :  "tensorx\\/llama-3.1-70b-instruct", "data": ['
+            + b",".join(orjson.dumps(item) for _ in range(30)) + b'], "model": "' + UPSTREAM.encode() + b'"}')
+    expected = whole(body)
+    assert expected.count(b'"model":"llama-3.1-70b"') == 30 and orjson.loads(expected)["model"] == CLIENT
+    for size in (1, 2, 3, 7, 11, 40, 97, 500):
+        rewriter = ModelNameRewriter(UPSTREAM, CLIENT, event_stream=False)
+        chunks = [body[i:i + size] for i in range(0, len(body), size)]
+        out = b"".join(rewriter.feed(chunk, i == len(chunks) - 1) for i, chunk in enumerate(chunks))
+        assert out == expected, size
+        assert rewriter.rewritten == 32
+
+
+def test_a_streamed_json_answer_is_held_back_no_more_than_a_member():
+    rewriter = ModelNameRewriter(UPSTREAM, CLIENT, event_stream=False)
+    assert rewriter.feed(b'{"data": [1, 2, 3], "x": "model"', False) == b'{"data": [1, 2, 3], "x": '  # a member's name?
+    assert rewriter.feed(b', "model": "tensorx/llama', False) == b'"model", '  # no; this one waits whole
+    assert rewriter.feed(b'-3.1-70b-instruct"}', True) == b'"model": "llama-3.1-70b"}'
+    other = ModelNameRewriter(UPSTREAM, CLIENT, event_stream=False)
+    assert other.feed(b'{"model": "tensorx/other", "data": [0', False) == b'{"model": "tensorx/other", "data": [0'

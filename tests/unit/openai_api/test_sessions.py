@@ -8,7 +8,7 @@ import pytest
 
 from extproc.config import ConfigError, SessionSignal, parse_config
 from extproc.openai_api.adaptation import RequestAdapter
-from extproc.openai_api.chains import MAX_SCAN_BYTES, ResponseIdReader
+from extproc.openai_api.chains import MAX_SCAN_BYTES, ResponseReader
 from extproc.openai_api.request import parse_request
 from extproc.openai_api.sessions import SessionKeys
 from tests.support.configs import small_config_data
@@ -110,24 +110,52 @@ def test_bad_session_settings_are_rejected_with_their_field():
         parse_config({**small_config_data(), "session": {"signals": ["gut_feeling"]}})
 
 
+def read(reader: ResponseReader, *chunks: bytes) -> tuple[str | None, str | None]:
+    """Feed `chunks` (the last one ends the body) until the reader is done: (id, status)."""
+    for index, chunk in enumerate(chunks):
+        if reader.feed(chunk, index == len(chunks) - 1):
+            break
+    return reader.response_id, reader.status
+
+
 def test_a_json_answer_gives_its_id_and_anything_else_gives_none():
-    reader = ResponseIdReader(event_stream=False)
-    assert reader.feed(b'{"id": "resp_', False) is None and not reader.done
-    assert reader.feed(b'1", "object": "response"}', True) == "resp_1" and reader.done
-    assert ResponseIdReader(False).feed(b"not json", True) is None
-    assert ResponseIdReader(False).feed(b'["resp_1"]', True) is None
-    assert ResponseIdReader(False).feed(b'{"id": 7}', True) is None
+    reader = ResponseReader(event_stream=False)
+    assert not reader.feed(b'{"id": "resp_', False) and not reader.done
+    assert reader.feed(b'1", "object": "response"}', True) and reader.done and reader.response_id == "resp_1"
+    assert read(ResponseReader(False), b"not json") == (None, None)
+    assert read(ResponseReader(False), b'["resp_1"]') == (None, None)
+    assert read(ResponseReader(False), b'{"id": 7}') == (None, None)
+
+
+def test_a_json_answer_gives_its_top_level_id_and_status_in_any_chunking_without_being_held_whole():
+    answer = orjson.dumps({
+        "object": "response", "instructions": 'quoting "id": "resp_fake", "status": "completed" \\',
+        "output": [{"id": "msg_1", "status": "completed", "content": [{"id": "x"}]}], "metadata": {"status": "no"},
+        "id": "resp_1", "status": "queued", "usage": None,
+    })
+    for size in (1, 2, 5, 64, len(answer)):
+        chunks = [answer[i:i + size] for i in range(0, len(answer), size)]
+        reader = ResponseReader(False)
+        assert read(reader, *chunks) == ("resp_1", "queued") and reader.running
+    # found before the end: the rest of a large answer is never held
+    reader = ResponseReader(False)
+    assert reader.feed(b'{"id": "resp_2", "status": "completed", "output": [' + b"0," * 100_000, False)
+    assert (reader.response_id, reader.status, reader.running, len(reader.buffer)) == ("resp_2", "completed", False, 0)
+    # not found within MAX_SCAN_BYTES: given up, with what was found
+    late = ResponseReader(False)
+    assert late.feed(b'{"id": "resp_3", "pad": "' + b"x" * MAX_SCAN_BYTES, False)
+    assert (late.response_id, late.status) == ("resp_3", None)
 
 
 def test_an_event_stream_gives_the_id_of_its_first_event_even_split_across_chunks():
     created = b'event: response.created\r\ndata: {"type":"response.created","response":{"id":"resp_9","status":"in_progress"}}\r\n\r\n'
-    reader = ResponseIdReader(event_stream=True)
-    assert reader.feed(created[:40], False) is None and not reader.done
-    assert reader.feed(created[40:] + b"data: {}\n\n", False) == "resp_9" and reader.done
-    assert reader.feed(b"more", False) is None
-    not_created = ResponseIdReader(True)
-    assert not_created.feed(b'data: {"type":"error"}\n\n', False) is None and not_created.done
-    endless = ResponseIdReader(True)
+    reader = ResponseReader(event_stream=True)
+    assert not reader.feed(created[:40], False) and not reader.done
+    assert reader.feed(created[40:] + b"data: {}\n\n", False) and (reader.response_id, reader.status) == ("resp_9", "in_progress")
+    assert reader.feed(b"more", False) and reader.response_id == "resp_9"
+    not_created = ResponseReader(True)
+    assert not_created.feed(b'data: {"type":"error"}\n\n', False) and not_created.response_id is None
+    endless = ResponseReader(True)
     endless.feed(b"data: " + b"x" * (MAX_SCAN_BYTES + 1), False)
     assert endless.done and endless.response_id is None
 
