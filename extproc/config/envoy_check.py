@@ -28,10 +28,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-import yaml
-
 from extproc.config import Affinity, Config, IdentitySource, Provider, ProviderKind
 from extproc.config.schema import ServerSettings, SessionSignal
+from extproc.config.yaml_text import YamlTextError, parse_yaml
 
 EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
 HCM_FILTER = "envoy.filters.network.http_connection_manager"
@@ -52,9 +51,9 @@ def load_bootstrap(path: str | os.PathLike[str]) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError) as exc:
         raise EnvoyConfigError(f"cannot read the Envoy configuration {path}: {exc.strerror or exc}") from None
     try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise EnvoyConfigError(f"the Envoy configuration {path} is not valid YAML: {_one_line(exc)}") from None
+        data = parse_yaml(text)
+    except YamlTextError as exc:
+        raise EnvoyConfigError(f"the Envoy configuration {path} is not valid YAML: {exc}") from None
     if not isinstance(data, dict):
         raise EnvoyConfigError(f"the Envoy configuration {path} is not a YAML mapping")
     return data
@@ -100,8 +99,7 @@ def check(config: Config, bootstrap: dict[str, Any], envoy_name: str = "envoy.ya
     they agree). `envoy_name` names the Envoy file in the sentences. With `addresses` False the
     ext_proc port and the health/load URLs are not compared (for a local gateway that moves every
     address onto free ports). Never raises on a malformed bootstrap: its shape is a problem too."""
-    clusters = {c.get("name"): c for c in _list(_dict(bootstrap.get("static_resources")).get("clusters")) if isinstance(c, dict)}
-    problems = []
+    clusters, problems = _named_clusters(bootstrap, envoy_name)
     known = ", ".join(sorted(str(name) for name in clusters)) or "none"
     for provider in config.providers:
         for what, name in (("cluster", provider.cluster), ("sessionless_cluster", provider.sessionless_cluster)):
@@ -131,6 +129,25 @@ def check(config: Config, bootstrap: dict[str, Any], envoy_name: str = "envoy.ya
                 if setting is not None and cluster is not None and provider.kind is ProviderKind.MANAGED:
                     problems += _url_problems(f"provider {provider.name}: {name}.url", setting.url, cluster, envoy_name)
     return problems
+
+
+def _named_clusters(bootstrap: dict[str, Any], envoy_name: str) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """The bootstrap's static clusters by name, and a problem for each whose name is not a string
+    (`name: [iris-2]`: Envoy refuses the file, and no provider can name the cluster)."""
+    clusters, problems = {}, []
+    for index, cluster in enumerate(_list(_dict(bootstrap.get("static_resources")).get("clusters"))):
+        name = _dict(cluster).get("name")
+        if isinstance(name, str):
+            clusters[name] = cluster
+        else:
+            problems.append(f"{envoy_name}: static_resources.clusters[{index}] has no name that is a string (name: {_shown(name)})")
+    return clusters, problems
+
+
+def _shown(value: Any) -> str:
+    """A YAML value in a problem's sentence: one line, at most 80 characters."""
+    text = " ".join(repr(value).split())
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def check_files(config: Config, envoy_path: str | os.PathLike[str], addresses: bool = True) -> list[str]:
@@ -398,9 +415,13 @@ def _ext_proc_problems(server: ServerSettings, manager: dict[str, Any], clusters
     port, wanted = str(server.listen_port()), [str(p) for p in server.worker_ports()]
     for ext_proc in filters:
         grpc_service = _dict(_dict(ext_proc.get("typed_config")).get("grpc_service"))
-        name = _dict(grpc_service.get("envoy_grpc")).get("cluster_name")
-        if name is None:
+        envoy_grpc = grpc_service.get("envoy_grpc")
+        if envoy_grpc is None:
             continue  # google_grpc names its target directly: nothing to compare here
+        name = _dict(envoy_grpc).get("cluster_name")
+        if not isinstance(name, str):
+            problems.append(f"{envoy_name}: the ext_proc filter's envoy_grpc.cluster_name is not a string ({_shown(name)})")
+            continue
         cluster = clusters.get(name)
         if cluster is None:
             problems.append(f"{envoy_name}: the ext_proc filter's cluster {name!r} is not a cluster of the file")
@@ -461,6 +482,3 @@ def _dict(value: Any) -> dict[str, Any]:
 def _list(value: Any) -> list[Any]:
     return value if isinstance(value, list) else []
 
-
-def _one_line(exc: Exception) -> str:
-    return " ".join(str(exc).split())

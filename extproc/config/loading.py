@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-import yaml
 from pydantic import ValidationError
 
 from extproc.config.schema import (
@@ -30,6 +29,7 @@ from extproc.config.schema import (
     RedisSettings,
     ServerSettings,
 )
+from extproc.config.yaml_text import YamlTextError, parse_yaml
 
 
 class ConfigError(ValueError):
@@ -52,9 +52,9 @@ def load_config(path: str | os.PathLike[str]) -> Config:
     except UnicodeDecodeError:
         raise ConfigError(str(path), ["<file>: not UTF-8 text"]) from None
     try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ConfigError(str(path), [f"<file>: not valid YAML: {' '.join(str(exc).split())}"]) from None
+        data = parse_yaml(text)
+    except YamlTextError as exc:
+        raise ConfigError(str(path), [f"<file>: not valid YAML: {exc}"]) from None
     return parse_config(data, source=str(path))
 
 
