@@ -15,8 +15,11 @@ queue on, its class header is removed early too and the filter's `message_timeou
 longest wait (docs/queue.md); each health-check and load URL points at the provider's own
 cluster (the same host and port when the cluster is STATIC); when the ext_proc filter forwards
 only some headers (`forward_rules`), it forwards every header the server reads (`read_headers`:
-a session, identity or credential header it does not get is a signal silently lost). `check`
-answers one plain sentence per disagreement; an empty list means the pair agrees. Used by `iris-extproc check`, `serve
+a session, identity or credential header it does not get is a signal silently lost); each
+ext_proc filter runs as the server needs (`_processing_problems`: before the router, its own
+processing_mode, fail closed, the route cache cleared, not disabled or overridden on the
+routing route). `check` answers one plain sentence per disagreement; an empty list means the
+pair agrees, and it never raises, whatever the file holds (a malformed value is a problem too). Used by `iris-extproc check`, `serve
 --envoy`, `up` and the configuration reload.
 """
 
@@ -118,6 +121,7 @@ def check(config: Config, bootstrap: dict[str, Any], envoy_name: str = "envoy.ya
         if addresses:
             problems += _ext_proc_problems(config.server, manager, clusters, envoy_name)
         problems += _mutation_rule_problems(config, manager, envoy_name)
+        problems += _processing_problems(manager, envoy_name)
         problems += _mode_override_problems(manager, envoy_name)
         problems += _queue_problems(config, manager, envoy_name)
         problems += _forwarding_problems(config, manager, envoy_name)
@@ -326,6 +330,104 @@ _ENVOY_MODE_DEFAULTS = {
 OVERRIDE_BODY_MODES = ("BUFFERED", "STREAMED")
 
 
+# What the server needs of each ext_proc filter's own processing mode (extproc.protocol.stream;
+# Envoy's defaults filled in), and why. The request trailers may be sent or not: they are passed on.
+REQUIRED_MODES = {
+    "request_header_mode": ("SEND", "the router reads the path, method and identity headers"),
+    "request_body_mode": ("BUFFERED", "the router decides on the whole body: with any other mode no request gets a route "
+                                      "(503 no_route)"),
+    "response_header_mode": ("SEND", "the status refreshes pins, records Responses chains and feeds passive health"),
+    "response_body_mode": ("NONE", "the server asks for the answers it reads by a mode override (allowed_override_modes)"),
+    "response_trailer_mode": ("SEND", "it keeps the ext_proc stream, and so the request's lease, open until the response "
+                                      "really ends"),
+}
+# The ext_proc filter's settings under which Envoy does not do what the server answers, and why
+# each must stay false (Envoy's ExternalProcessor; also an ExtProcPerRoute override's).
+MUST_BE_FALSE = {
+    "failure_mode_allow": "fail closed: a request the router did not admit would reach the providers unrouted, and a lost "
+                          "lease could not cancel its request",
+    "observability_mode": "Envoy would not wait for the router's answers: nothing would be routed",
+    "async_mode": "Envoy would not wait for the router's answers: nothing would be routed",
+    "disable_immediate_response": "the router's own answers (400, 404, 429, 503 with an OpenAI error) would become 500s",
+    "disable_clear_route_cache": "the route is chosen before the routing header is set: every request would get 503 no_route",
+}
+ROUTER_FILTER = "envoy.filters.http.router"
+
+
+def _processing_problems(manager: dict[str, Any], envoy_name: str) -> list[str]:
+    """Each ext_proc filter runs as the server needs: before the router filter, enabled, its own
+    processing_mode as REQUIRED_MODES, none of MUST_BE_FALSE set, the route cache cleared when
+    the server asks (route_cache_action not RETAIN); and no per-route config of the routing
+    route (or its virtual host) disables it or overrides those."""
+    filters = [_dict(f) for f in _list(manager.get("http_filters"))]
+    names = [f.get("name") for f in filters]
+    router_at = names.index(ROUTER_FILTER) if ROUTER_FILTER in names else len(names)
+    problems = []
+    for index, ext_proc in enumerate(filters):
+        if ext_proc.get("name") != EXT_PROC_FILTER:
+            continue
+        if index > router_at:
+            problems.append(f"{envoy_name}: the ext_proc filter comes after the router filter, which ends the filter chain: "
+                            "no request would be routed (http_filters: ext_proc first, the router last)")
+        if _truthy(ext_proc.get("disabled")):
+            problems.append(f"{envoy_name}: the ext_proc filter is disabled (disabled: true): no request would be routed")
+        typed = _dict(ext_proc.get("typed_config"))
+        problems += _mode_problems(typed.get("processing_mode", {}), "the ext_proc filter's processing_mode", envoy_name)
+        problems += _must_be_false_problems(typed, "the ext_proc filter", envoy_name)
+        if str(typed.get("route_cache_action", "")).upper() == "RETAIN":
+            problems.append(f"{envoy_name}: the ext_proc filter's route_cache_action is RETAIN: the route is chosen before the "
+                            "routing header is set, so every request would get 503 no_route")
+    if EXT_PROC_FILTER in names:
+        problems += _per_route_problems(manager, envoy_name)
+    return problems
+
+
+def _mode_problems(value: Any, what: str, envoy_name: str) -> list[str]:
+    """A ProcessingMode (YAML) against REQUIRED_MODES, one sentence per field that differs."""
+    mode = _mode(value)
+    return [f"{envoy_name}: {what} has {field}: {mode[field]}, but the server needs {wanted}: {why}"
+            for field, (wanted, why) in REQUIRED_MODES.items() if mode[field] != wanted]
+
+
+def _must_be_false_problems(settings: dict[str, Any], what: str, envoy_name: str) -> list[str]:
+    return [f"{envoy_name}: {what} sets {name}: true, but it must stay false: {why}"
+            for name, why in MUST_BE_FALSE.items() if _truthy(settings.get(name))]
+
+
+def _per_route_problems(manager: dict[str, Any], envoy_name: str) -> list[str]:
+    """The ext_proc per-route config (ExtProcPerRoute, maybe inside a FilterConfig) that applies
+    to each routing route (one with cluster_header): the route's own, else its virtual host's,
+    else the route_config's. It must not disable the filter, nor override the processing mode or
+    the settings the server needs."""
+    route_config = _dict(manager.get("route_config"))
+    problems = []
+    for host in (_dict(h) for h in _list(route_config.get("virtual_hosts"))):
+        for route in (_dict(r) for r in _list(host.get("routes"))):
+            if "cluster_header" not in _dict(route.get("route")):
+                continue
+            for scope in (route, host, route_config):
+                per_route = _dict(scope.get("typed_per_filter_config")).get(EXT_PROC_FILTER)
+                if per_route is not None:
+                    problems += _per_route_config_problems(_dict(per_route), envoy_name)
+                    break
+    return list(dict.fromkeys(problems))
+
+
+def _per_route_config_problems(per_route: dict[str, Any], envoy_name: str) -> list[str]:
+    what = "the routing route's ext_proc per-route config"
+    if str(per_route.get("@type", "")).endswith("envoy.config.route.v3.FilterConfig"):
+        if _truthy(per_route.get("disabled")):
+            return [f"{envoy_name}: {what} disables the ext_proc filter: no request would be routed"]
+        per_route = _dict(per_route.get("config"))
+    if _truthy(per_route.get("disabled")):
+        return [f"{envoy_name}: {what} disables the ext_proc filter: no request would be routed"]
+    overrides = _dict(per_route.get("overrides"))
+    problems = _must_be_false_problems(overrides, what, envoy_name)
+    if "processing_mode" in overrides:
+        problems += _mode_problems(overrides["processing_mode"], f"{what}'s processing_mode", envoy_name)
+    return problems
+
+
 def _mode_override_problems(manager: dict[str, Any], envoy_name: str) -> list[str]:
     """Each ext_proc filter lets the server override the response body mode as it needs: without
     that, Envoy ignores the override and, silently, no Responses chain is recorded and no model
@@ -376,9 +478,20 @@ def _string_match(matcher: Any, value: str) -> bool:
 
 
 def _mode(value: Any) -> dict[str, str]:
-    """A ProcessingMode of the YAML with Envoy's defaults for what it leaves out (DEFAULT too)."""
-    given = {k: str(v) for k, v in _dict(value).items() if str(v) != "DEFAULT"}
-    return {**_ENVOY_MODE_DEFAULTS, **given}
+    """A ProcessingMode of the YAML with Envoy's defaults for what it leaves out (DEFAULT too);
+    a mode given by its number (`request_body_mode: 2`) is named as Envoy reads it (BUFFERED)."""
+    given = {k: _mode_name(k, v) for k, v in _dict(value).items()}
+    return {**_ENVOY_MODE_DEFAULTS, **{k: v for k, v in given.items() if v != "DEFAULT"}}
+
+
+def _mode_name(field: Any, value: Any) -> str:
+    """The enum name of a ProcessingMode field's value (Envoy's numbers: ProcessingMode)."""
+    names = _BODY_MODE_NAMES if str(field).endswith("body_mode") else _HEADER_MODE_NAMES
+    return names[value] if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < len(names) else str(value)
+
+
+_HEADER_MODE_NAMES = ("DEFAULT", "SEND", "SKIP")  # ProcessingMode.HeaderSendMode, by number
+_BODY_MODE_NAMES = ("NONE", "STREAMED", "BUFFERED", "BUFFERED_PARTIAL", "FULL_DUPLEX_STREAMED", "GRPC")  # BodySendMode
 
 
 def _may_remove(rules: dict[str, Any], header: str) -> bool:
