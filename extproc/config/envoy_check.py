@@ -7,7 +7,8 @@ header (`session.trusted_identity_headers`, when `trusted_header` is an identity
 any client could claim any identity; a provider whose sessions
 keep their replica by hash (Affinity `session_hash`) has a consistent-hash cluster, the route
 hashes on `server.affinity_header` and the early header mutation removes it too; a
-`sessionless_cluster` exists and does not hash; the ext_proc filter's cluster reaches
+`sessionless_cluster` exists and does not hash; a provider cluster that speaks TLS verifies
+the provider's certificate chain and name (`_tls_problems`); the ext_proc filter's cluster reaches
 `server.listen`'s port and the port of every worker (`server.workers`: listen's port + i), and
 its `mutation_rules` let the server remove every `x-envoy-*` header it must remove
 (`adaptation.private_headers`, ...: Envoy ignores such a removal otherwise); with the admission
@@ -109,6 +110,7 @@ def check(config: Config, bootstrap: dict[str, Any], envoy_name: str = "envoy.ya
             if name is not None and name not in clusters:
                 problems.append(f"provider {provider.name}: {what} {name!r} is not a cluster of {envoy_name} (its clusters: {known})")
         problems += _affinity_cluster_problems(provider, clusters, envoy_name)
+        problems += _tls_problems(provider, clusters, envoy_name)
     hashed = [p for p in config.providers if p.session_affinity is Affinity.SESSION_HASH]
     managers = connection_managers(bootstrap)
     if not managers:
@@ -185,6 +187,55 @@ def _affinity_cluster_problems(provider: Provider, clusters: dict[str, Any], env
     if spread is not None and _hashes(spread):
         problems.append(f"provider {provider.name}: sessionless_cluster {provider.sessionless_cluster!r} balances by hash (use LEAST_REQUEST)")
     return problems
+
+
+TLS_SOCKET = "envoy.transport_sockets.tls"
+
+
+def _tls_problems(provider: Provider, clusters: dict[str, Any], envoy_name: str) -> list[str]:
+    """Each TLS transport socket of the provider's clusters (`transport_socket` and each of
+    `transport_socket_matches`) verifies the provider's certificate: its chain, against a CA
+    (`trusted_ca`, SDS, a certificate provider, a custom validator) or a pinned hash, and its name
+    (`match_typed_subject_alt_names`, `auto_sni_san_validation`, or a pinned hash), as
+    envoy/third-party-cluster.example.yaml does. Without that, anyone on the path can answer in
+    the provider's place and receive its API key and the prompts."""
+    problems = []
+    for name in filter(None, dict.fromkeys((provider.cluster, provider.sessionless_cluster))):
+        cluster = _dict(clusters.get(name))
+        sockets = [("transport_socket", cluster.get("transport_socket"))]
+        sockets += [(f"transport_socket_matches[{i}]", _dict(m).get("transport_socket"))
+                    for i, m in enumerate(_list(cluster.get("transport_socket_matches")))]
+        for where, socket in sockets:
+            context = _dict(_dict(socket).get("typed_config"))
+            if _dict(socket).get("name") != TLS_SOCKET and not str(context.get("@type", "")).endswith("UpstreamTlsContext"):
+                continue
+            missing = _unverified(context)
+            if missing is not None:
+                problems.append(f"provider {provider.name}: cluster {name!r} of {envoy_name} speaks TLS without verifying the "
+                                f"provider's certificate ({where}: {missing}), so anyone on the path could receive its API key "
+                                "and the prompts (see envoy/third-party-cluster.example.yaml)")
+    return problems
+
+
+def _unverified(context: dict[str, Any]) -> str | None:
+    """What an UpstreamTlsContext does not verify of the peer's certificate, or None."""
+    common = _dict(context.get("common_tls_context"))
+    if "validation_context_sds_secret_config" in common:
+        return None  # the whole validation context comes from SDS
+    combined = _dict(common.get("combined_validation_context"))
+    validation = _dict(combined.get("default_validation_context") if combined else common.get("validation_context"))
+    pinned = bool(_list(validation.get("verify_certificate_hash")) or _list(validation.get("verify_certificate_spki")))
+    has_ca = "validation_context_sds_secret_config" in combined or any(
+        validation.get(key) for key in ("trusted_ca", "ca_certificate_provider_instance", "custom_validator_config")
+    )
+    if not (has_ca or pinned):
+        return "no CA to verify the certificate chain against, validation_context.trusted_ca"
+    if str(validation.get("trust_chain_verification", "")).upper() == "ACCEPT_UNTRUSTED":
+        return "trust_chain_verification ACCEPT_UNTRUSTED accepts any chain"
+    names = _list(validation.get("match_typed_subject_alt_names")) or _list(validation.get("match_subject_alt_names"))
+    if not (names or pinned or _truthy(context.get("auto_sni_san_validation"))):
+        return "no name to verify the certificate against, validation_context.match_typed_subject_alt_names"
+    return None
 
 
 def _hashes(cluster: dict[str, Any]) -> bool:
