@@ -2,7 +2,8 @@
 file (a cluster `name: [iris-2]`, a list where a mapping goes, ...) is a problem named in one
 sentence, never a TypeError; YAML text the safe loader cannot read (a date that is none, an
 explicit tag that does not fit, nesting too deep) is one error naming the file, for the Envoy
-file and the routing config alike; and `iris-extproc check` says so without a traceback."""
+file and the routing config alike; `iris-extproc check` says so without a traceback; and a
+template of any shape renders or is one RenderError (`envoy-config --template`)."""
 
 from __future__ import annotations
 
@@ -16,11 +17,31 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from extproc.config import ConfigError, envoy_check, load_config, parse_config
+from extproc.config.envoy_render import RenderError, render
 from extproc.config.examples import envoy_yaml, example_config
 from extproc.config.yaml_text import YamlTextError, parse_yaml
+from tests.support.configs import ROOT
 
 CONFIG = parse_config(yaml.safe_load(example_config().read_text()))
 SHIPPED = envoy_check.load_bootstrap(envoy_yaml())
+
+
+def rich_bootstrap() -> dict:
+    """The shipped file with more for `check` to read: the third-party example's TLS cluster as
+    tensorx (with a transport socket match too) and an ext_proc per-route config on the routing route."""
+    bootstrap = copy.deepcopy(SHIPPED)
+    example = yaml.safe_load((ROOT / "envoy" / "third-party-cluster.example.yaml").read_text())["clusters"][0]
+    example["transport_socket_matches"] = [{"name": "b", "match": {"host": "b"}, "transport_socket": copy.deepcopy(example["transport_socket"])}]
+    clusters = bootstrap["static_resources"]["clusters"]
+    clusters[[c["name"] for c in clusters].index("tensorx")] = example
+    manager = bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    manager["route_config"]["virtual_hosts"][0]["routes"][0]["typed_per_filter_config"] = {"envoy.filters.http.ext_proc": {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
+        "overrides": {"processing_mode": {"request_body_mode": "BUFFERED"}, "failure_mode_allow": False}}}
+    return bootstrap
+
+
+RICH = rich_bootstrap()
 
 # What a YAML document can hold, odd shapes included: scalars of every kind, lists and mappings
 # (keys of any hashable scalar kind, as PyYAML makes them).
@@ -42,7 +63,7 @@ def paths(node, prefix=()):
             yield from paths(value, (*prefix, index))
 
 
-SHIPPED_PATHS = [p for p in paths(SHIPPED) if p]
+RICH_PATHS = [p for p in paths(RICH) if p]
 
 
 def replaced(bootstrap: dict, path: tuple, value) -> dict:
@@ -60,9 +81,9 @@ def assert_sentences(problems) -> None:
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.sampled_from(SHIPPED_PATHS), TREES)
+@given(st.sampled_from(RICH_PATHS), TREES)
 def test_any_value_anywhere_in_the_shipped_file_is_a_problem_not_an_exception(path, value):
-    assert_sentences(envoy_check.check(CONFIG, replaced(SHIPPED, path, value)))
+    assert_sentences(envoy_check.check(CONFIG, replaced(RICH, path, value)))
 
 
 @settings(max_examples=200, deadline=None)
@@ -119,3 +140,15 @@ def test_the_check_command_names_a_malformed_value_without_a_traceback(tmp_path)
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "is not valid YAML: a value that cannot be read" in result.stderr, result.stderr
     assert "Traceback" not in result.stdout + result.stderr
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from(RICH_PATHS), TREES)
+def test_any_template_shape_renders_or_is_a_render_error(path, value):
+    """`iris-extproc envoy-config --template`: a template of any shape renders (the result is then
+    checked) or is one RenderError, never another exception."""
+    try:
+        rendered = render(CONFIG, replaced(RICH, path, value))
+    except RenderError:
+        return
+    assert_sentences(envoy_check.check(CONFIG, rendered, addresses=False))
