@@ -152,3 +152,14 @@ def test_any_template_shape_renders_or_is_a_render_error(path, value):
     except RenderError:
         return
     assert_sentences(envoy_check.check(CONFIG, rendered, addresses=False))
+
+
+@pytest.mark.parametrize("command", [["check", "--envoy", str(envoy_yaml())], ["status"], ["envoy-config"]])
+def test_a_routing_config_the_safe_loader_cannot_read_is_one_error_in_every_command(command, tmp_path):
+    path = tmp_path / "routing.yaml"
+    path.write_text("redis: {url: 'redis://127.0.0.1:1/0'}\nproviders: []\nwhen: 2020-02-30\n")
+    result = subprocess.run([sys.executable, "-m", "extproc.cli", command[0], "--config", str(path), *command[1:]],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "not valid YAML: a value that cannot be read (ValueError: day is out of range for month)" in result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
