@@ -619,13 +619,12 @@ def _with_key_prefix(settings: RedisSettings, key_prefix: str | None) -> RedisSe
 def _redis_section(path: str) -> RedisSettings | None:
     """The `redis` section of the routing config at `path` when it is valid on its own (the rest
     of the file may not be), else None."""
-    import yaml
+    from extproc.config.yaml_text import YamlTextError, parse_yaml
 
     try:
-        with open(path, encoding="utf-8") as stream:
-            data = yaml.safe_load(stream)
+        data = parse_yaml(Path(path).read_text(encoding="utf-8"))
         return RedisSettings.model_validate(data["redis"])
-    except (OSError, UnicodeDecodeError, yaml.YAMLError, ValidationError, KeyError, TypeError):
+    except (OSError, UnicodeDecodeError, YamlTextError, ValidationError, KeyError, TypeError):
         return None
 
 

@@ -7,7 +7,8 @@ header (`session.trusted_identity_headers`, when `trusted_header` is an identity
 any client could claim any identity; a provider whose sessions
 keep their replica by hash (Affinity `session_hash`) has a consistent-hash cluster, the route
 hashes on `server.affinity_header` and the early header mutation removes it too; a
-`sessionless_cluster` exists and does not hash; the ext_proc filter's cluster reaches
+`sessionless_cluster` exists and does not hash; a provider cluster that speaks TLS verifies
+the provider's certificate chain and name (`_tls_problems`); the ext_proc filter's cluster reaches
 `server.listen`'s port and the port of every worker (`server.workers`: listen's port + i), and
 its `mutation_rules` let the server remove every `x-envoy-*` header it must remove
 (`adaptation.private_headers`, ...: Envoy ignores such a removal otherwise); with the admission
@@ -15,8 +16,11 @@ queue on, its class header is removed early too and the filter's `message_timeou
 longest wait (docs/queue.md); each health-check and load URL points at the provider's own
 cluster (the same host and port when the cluster is STATIC); when the ext_proc filter forwards
 only some headers (`forward_rules`), it forwards every header the server reads (`read_headers`:
-a session, identity or credential header it does not get is a signal silently lost). `check`
-answers one plain sentence per disagreement; an empty list means the pair agrees. Used by `iris-extproc check`, `serve
+a session, identity or credential header it does not get is a signal silently lost); each
+ext_proc filter runs as the server needs (`_processing_problems`: before the router, its own
+processing_mode, fail closed, the route cache cleared, not disabled or overridden on the
+routing route). `check` answers one plain sentence per disagreement; an empty list means the
+pair agrees, and it never raises, whatever the file holds (a malformed value is a problem too). Used by `iris-extproc check`, `serve
 --envoy`, `up` and the configuration reload.
 """
 
@@ -28,10 +32,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-import yaml
-
 from extproc.config import Affinity, Config, IdentitySource, Provider, ProviderKind
 from extproc.config.schema import ServerSettings, SessionSignal
+from extproc.config.yaml_text import YamlTextError, parse_yaml
 
 EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
 HCM_FILTER = "envoy.filters.network.http_connection_manager"
@@ -52,9 +55,9 @@ def load_bootstrap(path: str | os.PathLike[str]) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError) as exc:
         raise EnvoyConfigError(f"cannot read the Envoy configuration {path}: {exc.strerror or exc}") from None
     try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise EnvoyConfigError(f"the Envoy configuration {path} is not valid YAML: {_one_line(exc)}") from None
+        data = parse_yaml(text)
+    except YamlTextError as exc:
+        raise EnvoyConfigError(f"the Envoy configuration {path} is not valid YAML: {exc}") from None
     if not isinstance(data, dict):
         raise EnvoyConfigError(f"the Envoy configuration {path} is not a YAML mapping")
     return data
@@ -100,14 +103,14 @@ def check(config: Config, bootstrap: dict[str, Any], envoy_name: str = "envoy.ya
     they agree). `envoy_name` names the Envoy file in the sentences. With `addresses` False the
     ext_proc port and the health/load URLs are not compared (for a local gateway that moves every
     address onto free ports). Never raises on a malformed bootstrap: its shape is a problem too."""
-    clusters = {c.get("name"): c for c in _list(_dict(bootstrap.get("static_resources")).get("clusters")) if isinstance(c, dict)}
-    problems = []
+    clusters, problems = _named_clusters(bootstrap, envoy_name)
     known = ", ".join(sorted(str(name) for name in clusters)) or "none"
     for provider in config.providers:
         for what, name in (("cluster", provider.cluster), ("sessionless_cluster", provider.sessionless_cluster)):
             if name is not None and name not in clusters:
                 problems.append(f"provider {provider.name}: {what} {name!r} is not a cluster of {envoy_name} (its clusters: {known})")
         problems += _affinity_cluster_problems(provider, clusters, envoy_name)
+        problems += _tls_problems(provider, clusters, envoy_name)
     hashed = [p for p in config.providers if p.session_affinity is Affinity.SESSION_HASH]
     managers = connection_managers(bootstrap)
     if not managers:
@@ -120,6 +123,7 @@ def check(config: Config, bootstrap: dict[str, Any], envoy_name: str = "envoy.ya
         if addresses:
             problems += _ext_proc_problems(config.server, manager, clusters, envoy_name)
         problems += _mutation_rule_problems(config, manager, envoy_name)
+        problems += _processing_problems(manager, envoy_name)
         problems += _mode_override_problems(manager, envoy_name)
         problems += _queue_problems(config, manager, envoy_name)
         problems += _forwarding_problems(config, manager, envoy_name)
@@ -131,6 +135,25 @@ def check(config: Config, bootstrap: dict[str, Any], envoy_name: str = "envoy.ya
                 if setting is not None and cluster is not None and provider.kind is ProviderKind.MANAGED:
                     problems += _url_problems(f"provider {provider.name}: {name}.url", setting.url, cluster, envoy_name)
     return problems
+
+
+def _named_clusters(bootstrap: dict[str, Any], envoy_name: str) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """The bootstrap's static clusters by name, and a problem for each whose name is not a string
+    (`name: [iris-2]`: Envoy refuses the file, and no provider can name the cluster)."""
+    clusters, problems = {}, []
+    for index, cluster in enumerate(_list(_dict(bootstrap.get("static_resources")).get("clusters"))):
+        name = _dict(cluster).get("name")
+        if isinstance(name, str):
+            clusters[name] = cluster
+        else:
+            problems.append(f"{envoy_name}: static_resources.clusters[{index}] has no name that is a string (name: {_shown(name)})")
+    return clusters, problems
+
+
+def _shown(value: Any) -> str:
+    """A YAML value in a problem's sentence: one line, at most 80 characters."""
+    text = " ".join(repr(value).split())
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def check_files(config: Config, envoy_path: str | os.PathLike[str], addresses: bool = True) -> list[str]:
@@ -164,6 +187,55 @@ def _affinity_cluster_problems(provider: Provider, clusters: dict[str, Any], env
     if spread is not None and _hashes(spread):
         problems.append(f"provider {provider.name}: sessionless_cluster {provider.sessionless_cluster!r} balances by hash (use LEAST_REQUEST)")
     return problems
+
+
+TLS_SOCKET = "envoy.transport_sockets.tls"
+
+
+def _tls_problems(provider: Provider, clusters: dict[str, Any], envoy_name: str) -> list[str]:
+    """Each TLS transport socket of the provider's clusters (`transport_socket` and each of
+    `transport_socket_matches`) verifies the provider's certificate: its chain, against a CA
+    (`trusted_ca`, SDS, a certificate provider, a custom validator) or a pinned hash, and its name
+    (`match_typed_subject_alt_names`, `auto_sni_san_validation`, or a pinned hash), as
+    envoy/third-party-cluster.example.yaml does. Without that, anyone on the path can answer in
+    the provider's place and receive its API key and the prompts."""
+    problems = []
+    for name in filter(None, dict.fromkeys((provider.cluster, provider.sessionless_cluster))):
+        cluster = _dict(clusters.get(name))
+        sockets = [("transport_socket", cluster.get("transport_socket"))]
+        sockets += [(f"transport_socket_matches[{i}]", _dict(m).get("transport_socket"))
+                    for i, m in enumerate(_list(cluster.get("transport_socket_matches")))]
+        for where, socket in sockets:
+            context = _dict(_dict(socket).get("typed_config"))
+            if _dict(socket).get("name") != TLS_SOCKET and not str(context.get("@type", "")).endswith("UpstreamTlsContext"):
+                continue
+            missing = _unverified(context)
+            if missing is not None:
+                problems.append(f"provider {provider.name}: cluster {name!r} of {envoy_name} speaks TLS without verifying the "
+                                f"provider's certificate ({where}: {missing}), so anyone on the path could receive its API key "
+                                "and the prompts (see envoy/third-party-cluster.example.yaml)")
+    return problems
+
+
+def _unverified(context: dict[str, Any]) -> str | None:
+    """What an UpstreamTlsContext does not verify of the peer's certificate, or None."""
+    common = _dict(context.get("common_tls_context"))
+    if "validation_context_sds_secret_config" in common:
+        return None  # the whole validation context comes from SDS
+    combined = _dict(common.get("combined_validation_context"))
+    validation = _dict(combined.get("default_validation_context") if combined else common.get("validation_context"))
+    pinned = bool(_list(validation.get("verify_certificate_hash")) or _list(validation.get("verify_certificate_spki")))
+    has_ca = "validation_context_sds_secret_config" in combined or any(
+        validation.get(key) for key in ("trusted_ca", "ca_certificate_provider_instance", "custom_validator_config")
+    )
+    if not (has_ca or pinned):
+        return "no CA to verify the certificate chain against, validation_context.trusted_ca"
+    if str(validation.get("trust_chain_verification", "")).upper() == "ACCEPT_UNTRUSTED":
+        return "trust_chain_verification ACCEPT_UNTRUSTED accepts any chain"
+    names = _list(validation.get("match_typed_subject_alt_names")) or _list(validation.get("match_subject_alt_names"))
+    if not (names or pinned or _truthy(context.get("auto_sni_san_validation"))):
+        return "no name to verify the certificate against, validation_context.match_typed_subject_alt_names"
+    return None
 
 
 def _hashes(cluster: dict[str, Any]) -> bool:
@@ -309,6 +381,104 @@ _ENVOY_MODE_DEFAULTS = {
 OVERRIDE_BODY_MODES = ("BUFFERED", "STREAMED")
 
 
+# What the server needs of each ext_proc filter's own processing mode (extproc.protocol.stream;
+# Envoy's defaults filled in), and why. The request trailers may be sent or not: they are passed on.
+REQUIRED_MODES = {
+    "request_header_mode": ("SEND", "the router reads the path, method and identity headers"),
+    "request_body_mode": ("BUFFERED", "the router decides on the whole body: with any other mode no request gets a route "
+                                      "(503 no_route)"),
+    "response_header_mode": ("SEND", "the status refreshes pins, records Responses chains and feeds passive health"),
+    "response_body_mode": ("NONE", "the server asks for the answers it reads by a mode override (allowed_override_modes)"),
+    "response_trailer_mode": ("SEND", "it keeps the ext_proc stream, and so the request's lease, open until the response "
+                                      "really ends"),
+}
+# The ext_proc filter's settings under which Envoy does not do what the server answers, and why
+# each must stay false (Envoy's ExternalProcessor; also an ExtProcPerRoute override's).
+MUST_BE_FALSE = {
+    "failure_mode_allow": "fail closed: a request the router did not admit would reach the providers unrouted, and a lost "
+                          "lease could not cancel its request",
+    "observability_mode": "Envoy would not wait for the router's answers: nothing would be routed",
+    "async_mode": "Envoy would not wait for the router's answers: nothing would be routed",
+    "disable_immediate_response": "the router's own answers (400, 404, 429, 503 with an OpenAI error) would become 500s",
+    "disable_clear_route_cache": "the route is chosen before the routing header is set: every request would get 503 no_route",
+}
+ROUTER_FILTER = "envoy.filters.http.router"
+
+
+def _processing_problems(manager: dict[str, Any], envoy_name: str) -> list[str]:
+    """Each ext_proc filter runs as the server needs: before the router filter, enabled, its own
+    processing_mode as REQUIRED_MODES, none of MUST_BE_FALSE set, the route cache cleared when
+    the server asks (route_cache_action not RETAIN); and no per-route config of the routing
+    route (or its virtual host) disables it or overrides those."""
+    filters = [_dict(f) for f in _list(manager.get("http_filters"))]
+    names = [f.get("name") for f in filters]
+    router_at = names.index(ROUTER_FILTER) if ROUTER_FILTER in names else len(names)
+    problems = []
+    for index, ext_proc in enumerate(filters):
+        if ext_proc.get("name") != EXT_PROC_FILTER:
+            continue
+        if index > router_at:
+            problems.append(f"{envoy_name}: the ext_proc filter comes after the router filter, which ends the filter chain: "
+                            "no request would be routed (http_filters: ext_proc first, the router last)")
+        if _truthy(ext_proc.get("disabled")):
+            problems.append(f"{envoy_name}: the ext_proc filter is disabled (disabled: true): no request would be routed")
+        typed = _dict(ext_proc.get("typed_config"))
+        problems += _mode_problems(typed.get("processing_mode", {}), "the ext_proc filter's processing_mode", envoy_name)
+        problems += _must_be_false_problems(typed, "the ext_proc filter", envoy_name)
+        if str(typed.get("route_cache_action", "")).upper() == "RETAIN":
+            problems.append(f"{envoy_name}: the ext_proc filter's route_cache_action is RETAIN: the route is chosen before the "
+                            "routing header is set, so every request would get 503 no_route")
+    if EXT_PROC_FILTER in names:
+        problems += _per_route_problems(manager, envoy_name)
+    return problems
+
+
+def _mode_problems(value: Any, what: str, envoy_name: str) -> list[str]:
+    """A ProcessingMode (YAML) against REQUIRED_MODES, one sentence per field that differs."""
+    mode = _mode(value)
+    return [f"{envoy_name}: {what} has {field}: {mode[field]}, but the server needs {wanted}: {why}"
+            for field, (wanted, why) in REQUIRED_MODES.items() if mode[field] != wanted]
+
+
+def _must_be_false_problems(settings: dict[str, Any], what: str, envoy_name: str) -> list[str]:
+    return [f"{envoy_name}: {what} sets {name}: true, but it must stay false: {why}"
+            for name, why in MUST_BE_FALSE.items() if _truthy(settings.get(name))]
+
+
+def _per_route_problems(manager: dict[str, Any], envoy_name: str) -> list[str]:
+    """The ext_proc per-route config (ExtProcPerRoute, maybe inside a FilterConfig) that applies
+    to each routing route (one with cluster_header): the route's own, else its virtual host's,
+    else the route_config's. It must not disable the filter, nor override the processing mode or
+    the settings the server needs."""
+    route_config = _dict(manager.get("route_config"))
+    problems = []
+    for host in (_dict(h) for h in _list(route_config.get("virtual_hosts"))):
+        for route in (_dict(r) for r in _list(host.get("routes"))):
+            if "cluster_header" not in _dict(route.get("route")):
+                continue
+            for scope in (route, host, route_config):
+                per_route = _dict(scope.get("typed_per_filter_config")).get(EXT_PROC_FILTER)
+                if per_route is not None:
+                    problems += _per_route_config_problems(_dict(per_route), envoy_name)
+                    break
+    return list(dict.fromkeys(problems))
+
+
+def _per_route_config_problems(per_route: dict[str, Any], envoy_name: str) -> list[str]:
+    what = "the routing route's ext_proc per-route config"
+    if str(per_route.get("@type", "")).endswith("envoy.config.route.v3.FilterConfig"):
+        if _truthy(per_route.get("disabled")):
+            return [f"{envoy_name}: {what} disables the ext_proc filter: no request would be routed"]
+        per_route = _dict(per_route.get("config"))
+    if _truthy(per_route.get("disabled")):
+        return [f"{envoy_name}: {what} disables the ext_proc filter: no request would be routed"]
+    overrides = _dict(per_route.get("overrides"))
+    problems = _must_be_false_problems(overrides, what, envoy_name)
+    if "processing_mode" in overrides:
+        problems += _mode_problems(overrides["processing_mode"], f"{what}'s processing_mode", envoy_name)
+    return problems
+
+
 def _mode_override_problems(manager: dict[str, Any], envoy_name: str) -> list[str]:
     """Each ext_proc filter lets the server override the response body mode as it needs: without
     that, Envoy ignores the override and, silently, no Responses chain is recorded and no model
@@ -359,9 +529,20 @@ def _string_match(matcher: Any, value: str) -> bool:
 
 
 def _mode(value: Any) -> dict[str, str]:
-    """A ProcessingMode of the YAML with Envoy's defaults for what it leaves out (DEFAULT too)."""
-    given = {k: str(v) for k, v in _dict(value).items() if str(v) != "DEFAULT"}
-    return {**_ENVOY_MODE_DEFAULTS, **given}
+    """A ProcessingMode of the YAML with Envoy's defaults for what it leaves out (DEFAULT too);
+    a mode given by its number (`request_body_mode: 2`) is named as Envoy reads it (BUFFERED)."""
+    given = {k: _mode_name(k, v) for k, v in _dict(value).items()}
+    return {**_ENVOY_MODE_DEFAULTS, **{k: v for k, v in given.items() if v != "DEFAULT"}}
+
+
+def _mode_name(field: Any, value: Any) -> str:
+    """The enum name of a ProcessingMode field's value (Envoy's numbers: ProcessingMode)."""
+    names = _BODY_MODE_NAMES if str(field).endswith("body_mode") else _HEADER_MODE_NAMES
+    return names[value] if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < len(names) else str(value)
+
+
+_HEADER_MODE_NAMES = ("DEFAULT", "SEND", "SKIP")  # ProcessingMode.HeaderSendMode, by number
+_BODY_MODE_NAMES = ("NONE", "STREAMED", "BUFFERED", "BUFFERED_PARTIAL", "FULL_DUPLEX_STREAMED", "GRPC")  # BodySendMode
 
 
 def _may_remove(rules: dict[str, Any], header: str) -> bool:
@@ -398,9 +579,13 @@ def _ext_proc_problems(server: ServerSettings, manager: dict[str, Any], clusters
     port, wanted = str(server.listen_port()), [str(p) for p in server.worker_ports()]
     for ext_proc in filters:
         grpc_service = _dict(_dict(ext_proc.get("typed_config")).get("grpc_service"))
-        name = _dict(grpc_service.get("envoy_grpc")).get("cluster_name")
-        if name is None:
+        envoy_grpc = grpc_service.get("envoy_grpc")
+        if envoy_grpc is None:
             continue  # google_grpc names its target directly: nothing to compare here
+        name = _dict(envoy_grpc).get("cluster_name")
+        if not isinstance(name, str):
+            problems.append(f"{envoy_name}: the ext_proc filter's envoy_grpc.cluster_name is not a string ({_shown(name)})")
+            continue
         cluster = clusters.get(name)
         if cluster is None:
             problems.append(f"{envoy_name}: the ext_proc filter's cluster {name!r} is not a cluster of the file")
@@ -461,6 +646,3 @@ def _dict(value: Any) -> dict[str, Any]:
 def _list(value: Any) -> list[Any]:
     return value if isinstance(value, list) else []
 
-
-def _one_line(exc: Exception) -> str:
-    return " ".join(str(exc).split())

@@ -12,8 +12,12 @@ routing config:
   included), so Envoy does not serialize every other request and response header into each message;
 - the route's cluster_header is `server.routing_header` and hashes on `server.affinity_header`;
   the early header mutation removes both and the trusted identity headers (a client's own copies);
-- every provider with `endpoints` gets its cluster built from them: STATIC for IP addresses,
-  STRICT_DNS for names (a headless Service resolves to every replica), TLS with SNI for https;
+- every provider with `endpoints` gets its cluster built from them (`provider_clusters`): STATIC
+  for IP addresses, STRICT_DNS for names (a headless Service resolves to every replica); for
+  https, TLS that verifies the provider's certificate chain (against the provider's
+  `tls_ca_file`, else the system's bundle) and name (the endpoint's host, which is also the SNI),
+  as envoy/third-party-cluster.example.yaml does: with endpoints on several host names, each
+  endpoint's own (a transport socket match per host name, picked by the endpoint's metadata);
   MAGLEV with bounded load for a pool whose sessions keep their replica (`session_hash`: a
   replica above 1.5 x the pool's mean of active requests passes a new request to the next replica
   of the hash), LEAST_REQUEST otherwise;
@@ -21,8 +25,9 @@ routing config:
   managed provider, Envoy's own health check of each replica and outlier detection, so that a
   failed replica leaves the hash ring and only its sessions move; a `sessionless_cluster` over
   the same replicas balancing by least request;
-- a provider without `endpoints` keeps the template's cluster of that name; the template's other
-  provider clusters are dropped.
+- a provider without `endpoints` keeps the template's cluster of that name; every other cluster
+  of the template stays too, in its place (a JWKS cluster that jwt_authn fetches keys from, a
+  collector's, ...); a rendered cluster replaces the template's of the same name.
 
 The result passes extproc.config.envoy_check against the same config (tested).
 """
@@ -42,6 +47,9 @@ DEFAULT_HEALTH_PATH = "/health"
 HASH_BALANCE_FACTOR = 150  # percent of the pool's mean active requests a replica may carry (Envoy's bounded load)
 TLS_SOCKET = "envoy.transport_sockets.tls"
 TLS_CONTEXT_TYPE = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext"
+SYSTEM_CA_FILE = "/etc/ssl/certs/ca-certificates.crt"  # the system's CA bundle in Envoy's image (Debian, Ubuntu)
+SOCKET_MATCH_FILTER = "envoy.transport_socket_match"  # the endpoint metadata Envoy matches transport_socket_matches on
+SOCKET_MATCH_KEY = "host"
 
 
 class RenderError(ValueError):
@@ -50,9 +58,18 @@ class RenderError(ValueError):
 
 
 def render(config: Config, template: dict[str, Any]) -> dict[str, Any]:
-    """The bootstrap for `config` from `template` (not modified). Raises RenderError."""
+    """The bootstrap for `config` from `template` (not modified). Raises RenderError, for a
+    template whose shape cannot be read too."""
+    try:
+        return _render(config, template)
+    except (TypeError, KeyError, AttributeError, IndexError) as exc:
+        raise RenderError(f"the template's shape cannot be read ({type(exc).__name__}: {exc}); `iris-extproc check` names "
+                          "what is wrong in it") from None
+
+
+def _render(config: Config, template: dict[str, Any]) -> dict[str, Any]:
     bootstrap = copy.deepcopy(template)
-    resources = bootstrap.get("static_resources") or {}
+    resources = bootstrap.setdefault("static_resources", {})
     clusters = {c["name"]: c for c in resources.get("clusters") or []}
     managers = [_typed(f) for listener in resources.get("listeners") or [] for chain in listener.get("filter_chains") or []
                 for f in chain.get("filters") or [] if f.get("name") == HCM_FILTER]
@@ -66,17 +83,24 @@ def render(config: Config, template: dict[str, Any]) -> dict[str, Any]:
     prototype = _provider_prototype(clusters, ext_proc_clusters)
     rendered: dict[str, dict[str, Any]] = {}
     for provider in config.providers:
-        if provider.endpoints:
-            rendered[provider.cluster] = _provider_cluster(provider, provider.cluster, prototype, sessions=True)
-            if provider.sessionless_cluster:
-                rendered[provider.sessionless_cluster] = _provider_cluster(provider, provider.sessionless_cluster, prototype, sessions=False)
-        else:
-            for name in filter(None, (provider.cluster, provider.sessionless_cluster)):
-                if name not in clusters:
-                    raise RenderError(f"provider {provider.name} has no endpoints and the template has no cluster {name!r}")
-                rendered[name] = clusters[name]
-    resources["clusters"] = [clusters[name] for name in clusters if name in ext_proc_clusters] + list(rendered.values())
+        rendered.update(provider_clusters(provider, prototype, clusters))
+    resources["clusters"] = [rendered.pop(name, cluster) for name, cluster in clusters.items()] + list(rendered.values())
     return bootstrap
+
+
+def provider_clusters(provider: Provider, prototype: dict[str, Any], template_clusters: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The clusters rendered for `provider`, by name: its `cluster` (and `sessionless_cluster`)
+    built from its endpoints; none for a provider without endpoints, whose clusters the template
+    must have (RenderError otherwise). `prototype`: the settings each copies (`_provider_prototype`)."""
+    if not provider.endpoints:
+        for name in filter(None, (provider.cluster, provider.sessionless_cluster)):
+            if name not in template_clusters:
+                raise RenderError(f"provider {provider.name} has no endpoints and the template has no cluster {name!r}")
+        return {}
+    rendered = {provider.cluster: _provider_cluster(provider, provider.cluster, prototype, sessions=True)}
+    if provider.sessionless_cluster:
+        rendered[provider.sessionless_cluster] = _provider_cluster(provider, provider.sessionless_cluster, prototype, sessions=False)
+    return rendered
 
 
 def forward_read_headers(bootstrap: dict[str, Any], config: Config) -> dict[str, Any]:
@@ -168,22 +192,17 @@ def _provider_cluster(provider: Provider, name: str, prototype: dict[str, Any], 
     addresses = [(url.hostname, url.port or (443 if tls else 80)) for url in urls]
     cluster: dict[str, Any] = {"name": name, "type": "STATIC" if all(_is_ip(host) for host, _ in addresses) else "STRICT_DNS"}
     cluster.update(copy.deepcopy(prototype))
-    hashed = sessions and provider.session_affinity is Affinity.SESSION_HASH
-    cluster["lb_policy"] = "MAGLEV" if hashed else "LEAST_REQUEST"
-    if hashed:  # bounded load: a replica above 1.5 x the pool's mean passes new sessions to the next of the hash
-        cluster["common_lb_config"] = {"consistent_hashing_lb_config": {"hash_balance_factor": HASH_BALANCE_FACTOR}}
+    _set_balancing(cluster, provider, sessions)
     if cluster["type"] == "STRICT_DNS":
         cluster["dns_lookup_family"] = "V4_PREFERRED"
+    hosts = list(dict.fromkeys(host for host, _ in addresses))
+    matched = tls and len(hosts) > 1  # each endpoint picks its host's transport socket by its metadata
     cluster["load_assignment"] = {
         "cluster_name": name,
-        "endpoints": [{"lb_endpoints": [
-            {"endpoint": {"address": {"socket_address": {"address": host, "port_value": port}}}} for host, port in addresses
-        ]}],
+        "endpoints": [{"lb_endpoints": [_lb_endpoint(host, port, matched) for host, port in addresses]}],
     }
     if tls:
-        cluster["transport_socket"] = {
-            "name": TLS_SOCKET, "typed_config": {"@type": TLS_CONTEXT_TYPE, "sni": addresses[0][0]},
-        }
+        cluster.update(_verified_tls(hosts, provider.tls_ca_file or SYSTEM_CA_FILE))
     if provider.kind is ProviderKind.MANAGED:
         cluster["health_checks"] = [{
             "timeout": "1s", "interval": "2s", "unhealthy_threshold": 2, "healthy_threshold": 1,
@@ -194,6 +213,53 @@ def _provider_cluster(provider: Provider, name: str, prototype: dict[str, Any], 
             "interval": "5s", "base_ejection_time": "30s", "max_ejection_percent": 50,
         }
     return cluster
+
+
+def _set_balancing(cluster: dict[str, Any], provider: Provider, sessions: bool) -> None:
+    """The cluster's load balancer: MAGLEV with bounded load for the sessions of a pool that
+    hashes them (`session_hash`: a replica above 1.5 x the pool's mean passes new sessions to
+    the next of the hash), LEAST_REQUEST otherwise."""
+    hashed = sessions and provider.session_affinity is Affinity.SESSION_HASH
+    cluster["lb_policy"] = "MAGLEV" if hashed else "LEAST_REQUEST"
+    if hashed:
+        cluster["common_lb_config"] = {"consistent_hashing_lb_config": {"hash_balance_factor": HASH_BALANCE_FACTOR}}
+
+
+def _lb_endpoint(host: str, port: int, matched: bool) -> dict[str, Any]:
+    """One endpoint of a load assignment; `matched`: with the metadata that picks its host's
+    transport socket (Envoy's transport_socket_matches)."""
+    endpoint: dict[str, Any] = {"endpoint": {"address": {"socket_address": {"address": host, "port_value": port}}}}
+    if matched:
+        endpoint["metadata"] = {"filter_metadata": {SOCKET_MATCH_FILTER: {SOCKET_MATCH_KEY: host}}}
+    return endpoint
+
+
+def _verified_tls(hosts: list[str], ca_file: str) -> dict[str, Any]:
+    """The cluster's TLS (`hosts`: the endpoints' host names, in order): `transport_socket` for
+    the first; with several, a `transport_socket_matches` entry per host too, which each
+    endpoint's metadata picks (the default is never plaintext: an endpoint that matched none
+    would still have to show the first host's certificate)."""
+    sockets: dict[str, Any] = {"transport_socket": _tls_socket(hosts[0], ca_file)}
+    if len(hosts) > 1:
+        sockets["transport_socket_matches"] = [
+            {"name": f"tls-{host}", "match": {SOCKET_MATCH_KEY: host}, "transport_socket": _tls_socket(host, ca_file)} for host in hosts
+        ]
+    return sockets
+
+
+def _tls_socket(host: str, ca_file: str) -> dict[str, Any]:
+    """TLS to `host` that verifies the certificate chain against `ca_file` (PEM, on Envoy's host)
+    and the certificate's name against `host` (a DNS or IP subject alternative name), with
+    `host` as SNI (not for an IP address, which SNI cannot carry)."""
+    ip = _is_ip(host)
+    context: dict[str, Any] = {"@type": TLS_CONTEXT_TYPE}
+    if not ip:
+        context["sni"] = host
+    context["common_tls_context"] = {"validation_context": {
+        "trusted_ca": {"filename": ca_file},
+        "match_typed_subject_alt_names": [{"san_type": "IP_ADDRESS" if ip else "DNS", "matcher": {"exact": host}}],
+    }}
+    return {"name": TLS_SOCKET, "typed_config": context}
 
 
 def _health_path(provider: Provider) -> str:

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-import yaml
 from pydantic import ValidationError
 
 from extproc.config.schema import (
@@ -30,6 +29,7 @@ from extproc.config.schema import (
     RedisSettings,
     ServerSettings,
 )
+from extproc.config.yaml_text import YamlTextError, parse_yaml
 
 
 class ConfigError(ValueError):
@@ -52,9 +52,9 @@ def load_config(path: str | os.PathLike[str]) -> Config:
     except UnicodeDecodeError:
         raise ConfigError(str(path), ["<file>: not UTF-8 text"]) from None
     try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ConfigError(str(path), [f"<file>: not valid YAML: {' '.join(str(exc).split())}"]) from None
+        data = parse_yaml(text)
+    except YamlTextError as exc:
+        raise ConfigError(str(path), [f"<file>: not valid YAML: {exc}"]) from None
     return parse_config(data, source=str(path))
 
 
@@ -243,7 +243,7 @@ def _provider_extension_problems(at: str, provider: Provider) -> list[str]:
 
 def _affinity_problems(at: str, provider: Provider) -> list[str]:
     """A third party never gets a session key; an own router names its header; a sessionless
-    cluster is another cluster, for a pool; endpoints are http(s) URLs with a host."""
+    cluster is another cluster, for a pool; endpoints as _endpoint_problems says."""
     problems = []
     affinity = provider.session_affinity
     if provider.kind is ProviderKind.UNLIMITED and affinity is not Affinity.NONE:
@@ -257,19 +257,35 @@ def _affinity_problems(at: str, provider: Provider) -> list[str]:
             problems.append(f"{at}.sessionless_cluster: only with affinity session_hash")
         if provider.sessionless_cluster == provider.cluster:
             problems.append(f"{at}.sessionless_cluster: must differ from cluster (it balances by least request)")
+    return problems + _endpoint_problems(at, provider)
+
+
+def _endpoint_problems(at: str, provider: Provider) -> list[str]:
+    """Each endpoint is what an Envoy cluster can reach as written: http(s)://host[:port], a port
+    from 1 to 65535 (no 0, which Envoy's socket_address cannot use), nothing Envoy would drop (a
+    `user:password@`, a path, a query, a fragment); one scheme per provider; `tls_ca_file` only
+    with https endpoints (it is what Envoy verifies them against)."""
+    problems = []
     schemes = set()
     for i, url in enumerate(provider.endpoints):
         parts = urlsplit(url)
         try:
-            parts.port
+            port = parts.port
         except ValueError:
             problems.append(f"{at}.endpoints[{i}]: {url!r} has an invalid port")
             continue
-        if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/") or parts.query:
+        if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/") or parts.query or parts.fragment:
             problems.append(f"{at}.endpoints[{i}]: {url!r} is not http(s)://host[:port]")
+        elif port == 0:
+            problems.append(f"{at}.endpoints[{i}]: {url!r} has port 0 (give the port the provider listens on, or none)")
+        elif parts.username is not None or parts.password is not None:
+            problems.append(f"{at}.endpoints[{i}]: the URL carries user:password@ (not shown here), which Envoy would not "
+                            "send (give the provider's key in credentials)")
         schemes.add(parts.scheme)
     if len(schemes) > 1:
         problems.append(f"{at}.endpoints: mixes http and https (one cluster speaks one)")
+    if provider.tls_ca_file is not None and schemes != {"https"}:
+        problems.append(f"{at}.tls_ca_file: only with https endpoints (Envoy verifies them against it)")
     return problems
 
 

@@ -371,6 +371,9 @@ class Provider(_Strict):
     `endpoints`: the provider's replicas as `http(s)://host:port` URLs, or one DNS name that
     resolves to all of them (a headless Service); `iris-extproc envoy-config` renders the
     provider's cluster from them (the routing config is then the one source of both files).
+    Envoy verifies an https endpoint's certificate chain against `tls_ca_file` (a PEM bundle
+    on Envoy's host; default: the system's, /etc/ssl/certs/ca-certificates.crt) and its name
+    against the endpoint's host, which it also sends as SNI.
     `affinity` (default: `session_hash` for a managed provider, `none` for an unlimited one, which
     never receives a session key): see Affinity. `router_session_header`: with `own_router`, a
     preset (`dynamo`, `llm-d`, `sglang`, `vllm-router`) or the header's own name.
@@ -396,6 +399,7 @@ class Provider(_Strict):
     health_check: HealthCheck | None = None
     load: LoadGauge | None = None
     endpoints: list[str] = []
+    tls_ca_file: str | None = Field(default=None, min_length=1)
     affinity: Affinity | None = None
     router_session_header: str | None = Field(default=None, pattern=_HEADER_NAME)
     sessionless_cluster: str | None = Field(default=None, min_length=1, pattern=r"^[A-Za-z0-9._-]+$")

@@ -12,7 +12,8 @@ providers' API keys and swaps everything built from the config in one step (see 
 
 A file that cannot be used (unreadable, invalid, disagreeing with the Envoy file, a key that
 cannot be read) keeps the running config: one log line and `iris_config_reloads_total{result=
-"failure"}`.
+"failure"}`; so does an unexpected error while reloading (logged with its traceback). The
+watcher runs supervised (extproc.supervision, task `config_reload`): nothing ends hot reload.
 """
 
 from __future__ import annotations
@@ -29,9 +30,13 @@ from typing import Protocol
 from extproc import metrics
 from extproc.config import Config, ConfigError, envoy_check, parse_config, restart_only_fields
 from extproc.config.envoy_check import EnvoyConfigError
+from extproc.config.yaml_text import YamlTextError, parse_yaml
 from extproc.openai_api.adaptation import CredentialError
+from extproc.supervision import run_every
 
 log = logging.getLogger(__name__)
+
+RELOAD_TASK = "config_reload"  # the watcher's name in iris_background_task_restarts_total{task}
 
 # The settings sections whose fields may be restart-only (extproc.config.schema.RESTART_ONLY).
 SETTINGS_SECTIONS = ("server", "redis", "session", "tracing")
@@ -94,30 +99,36 @@ class ConfigReloader:
         self._wake.set()
 
     async def run_forever(self) -> None:
-        """Poll the file every `server.reload_poll_seconds` (0: SIGHUP only) until cancelled."""
-        while True:
-            poll = self.receiver.config.server.reload_poll_seconds
-            forced = False
-            try:
-                async with asyncio.timeout(poll or None):
-                    await self._wake.wait()
-                forced = True
-            except TimeoutError:
-                pass
-            self._wake.clear()
-            signature = self._signature()
-            if not forced and signature == self._seen:
-                continue
-            self._seen = signature
-            content = self._read()
-            if content is None:
-                if forced:
-                    self._fail(f"cannot read {self.path}")
-                continue
-            digest = self._digest(content)
-            if forced or digest != self._tried:
-                self._tried = digest
-                self.reload(content)
+        """Watch the file (`watch_once`, back to back) until cancelled, supervised as every
+        background loop is (extproc.supervision, task `config_reload`): a step that raises is
+        logged, counted and restarted, so no error ends hot reload."""
+        await run_every(RELOAD_TASK, self.watch_once, 0)
+
+    async def watch_once(self) -> None:
+        """Wait for SIGHUP or the next poll (`server.reload_poll_seconds`; 0: SIGHUP only), then
+        reload when the file changed, or at once on SIGHUP."""
+        poll = self.receiver.config.server.reload_poll_seconds
+        forced = False
+        try:
+            async with asyncio.timeout(poll or None):
+                await self._wake.wait()
+            forced = True
+        except TimeoutError:
+            pass
+        self._wake.clear()
+        signature = self._signature()
+        if not forced and signature == self._seen:
+            return
+        self._seen = signature
+        content = self._read()
+        if content is None:
+            if forced:
+                self._fail(f"cannot read {self.path}")
+            return
+        digest = self._digest(content)
+        if forced or digest != self._tried:
+            self._tried = digest
+            self.reload(content)
 
     def reload(self, content: bytes) -> bool:
         """Validate `content` (the file's bytes) and swap it in. Returns whether it was applied;
@@ -129,6 +140,10 @@ class ConfigReloader:
         except (ReloadError, CredentialError) as exc:
             self._fail(str(exc))
             return False
+        except Exception:  # a bug, not a bad file: the running config stays, and reloading goes on
+            metrics.CONFIG_RELOADS.labels("failure").inc()
+            log.exception("routing config not reloaded, the running one stays: unexpected error reading %s", self.path)
+            return False
         self.reloads += 1
         metrics.CONFIG_RELOADS.labels("success").inc()
         metrics.CONFIG_LAST_SUCCESS.set(time.time())
@@ -138,15 +153,13 @@ class ConfigReloader:
         return True
 
     def _prepare(self, content: bytes) -> tuple[Config, list[str]]:
-        import yaml
-
         try:
-            data = yaml.safe_load(content.decode("utf-8"))
+            data = parse_yaml(content.decode("utf-8"))
             new = parse_config(data, source=str(self.path))
         except UnicodeDecodeError:
             raise ReloadError(f"{self.path}: not UTF-8 text") from None
-        except yaml.YAMLError as exc:
-            raise ReloadError(f"{self.path}: not valid YAML: {' '.join(str(exc).split())}") from None
+        except YamlTextError as exc:
+            raise ReloadError(f"{self.path}: not valid YAML: {exc}") from None
         except ConfigError as exc:
             raise ReloadError(f"invalid configuration {self.path}: {'; '.join(exc.problems)}") from None
         if self.adjust is not None:

@@ -260,3 +260,65 @@ def test_workers_reload_without_a_false_restart_warning(tmp_path):
         text = httpx.get(instance.metrics_url, timeout=5).text  # the one port, kept
         assert 'iris_config_reloads_total{result="success"} 4.0' in text  # 2 reloads x 2 workers
         assert "Traceback" not in log(1_000_000)
+
+
+def test_a_malformed_envoy_file_fails_a_reload_and_the_next_one_works(tmp_path):
+    """Issue 29 item 9: one malformed value in the Envoy file `serve --envoy` reads (a cluster
+    `name: [iris-2]`) fails the reload it is read by: counted, logged in one line, the running
+    config stays (iris-1 keeps its 4 slots). Hot reload goes on: once the file is fixed, SIGHUP
+    applies the waiting change (iris-1 down to one slot), and a later edit is applied by the
+    watcher alone. Streams run across all of it; none fails, Redis holds no lease afterwards."""
+    sims = {name: ProviderSimulation(ttft_ms=5, per_token_ms=25, block_tokens=8) for name in ("iris-1", "iris-2", "tensorx")}
+    with LocalGateway(config_data=routing_config(), simulations=sims, work_dir=tmp_path) as gateway:
+        instance = gateway.running[0]
+        log = instance.extproc.log_tail
+        good_envoy = instance.envoy_path.read_text()
+        envoy = yaml.safe_load(good_envoy)
+        (iris2,) = [c for c in envoy["static_resources"]["clusters"] if c["name"] == "iris-2"]
+        iris2["name"] = ["iris-2"]
+        config = yaml.safe_load(instance.config_path.read_text())
+
+        def write(path, text: str) -> None:
+            temporary = path.with_suffix(".new")
+            temporary.write_text(text)
+            os.replace(temporary, path)
+
+        def with_limit(slots: int) -> str:
+            config["providers"][0]["models"][MODEL]["limits"] = limits(slots)
+            return yaml.safe_dump(config, sort_keys=False)
+
+        def reloads(result: str) -> float:
+            text = httpx.get(instance.metrics_url, timeout=5).text
+            line = next((x for x in text.splitlines() if x.startswith(f'iris_config_reloads_total{{result="{result}"}}')), None)
+            return 0.0 if line is None else float(line.split()[-1])
+
+        with Load(instance.url) as load:
+            load.wait_for_more(CLIENTS)
+            overlapping = [load.running]
+            write(instance.envoy_path, yaml.safe_dump(envoy, sort_keys=False))
+            write(instance.config_path, with_limit(1))
+            assert wait_until(lambda: reloads("failure") >= 1, within_seconds=30), log(3000)
+            assert "routing config not reloaded" in log(100_000) and "has no name that is a string (name: ['iris-2'])" in log(100_000)
+            reset(gateway, "iris-1")
+            load.wait_for_more(CLIENTS * 2)
+            assert stats(gateway, "iris-1")["max_in_flight"] > 1  # the running config (4 slots) stays
+
+            overlapping.append(load.running)
+            write(instance.envoy_path, good_envoy)
+            os.kill(instance.extproc.pid, signal.SIGHUP)
+            assert wait_until(lambda: "(reload 1)" in log(1_000_000), within_seconds=30), log(3000)
+            assert wait_until(lambda: stats(gateway, "iris-1")["in_flight"] <= 1, within_seconds=60)
+            reset(gateway, "iris-1")
+            load.wait_for_more(CLIENTS * 2)
+            assert stats(gateway, "iris-1")["max_in_flight"] <= 1
+
+            overlapping.append(load.running)
+            write(instance.config_path, with_limit(3))  # the watcher, not a signal
+            assert wait_until(lambda: "(reload 2)" in log(1_000_000), within_seconds=30), log(3000)
+            assert wait_until(lambda: stats(gateway, "iris-1")["max_in_flight"] >= 2, within_seconds=60)
+
+        assert load.failures == []
+        assert all(count > 0 for count in overlapping), overlapping
+        assert (reloads("success"), reloads("failure")) == (2.0, 1.0)
+        assert wait_for_no_leases(redis_client(gateway), within_seconds=30) == 0, live_leases(redis_client(gateway))
+        assert "Traceback" not in log(5_000_000)

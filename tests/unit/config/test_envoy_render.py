@@ -9,8 +9,8 @@ import sys
 import pytest
 import yaml
 
-from extproc.config import envoy_check, parse_config
-from extproc.config.envoy_render import RenderError, render
+from extproc.config import ConfigError, envoy_check, parse_config
+from extproc.config.envoy_render import SYSTEM_CA_FILE, RenderError, render
 from extproc.config.examples import envoy_yaml
 from irislab.processes import envoy_binary
 
@@ -41,7 +41,8 @@ def test_the_rendered_bootstrap_agrees_with_its_config_and_envoy_accepts_it(tmp_
     bootstrap = render(config, template())
     assert envoy_check.check(config, bootstrap) == []
     clusters = {c["name"]: c for c in bootstrap["static_resources"]["clusters"]}
-    assert list(clusters) == ["extproc", "pool", "pool-spread", "dyn", "tensorx"]  # iris-1, iris-2 of the template dropped
+    # Every cluster of the template stays in its place (tensorx is the provider without endpoints'); the rendered follow.
+    assert list(clusters) == ["extproc", "iris-1", "iris-2", "tensorx", "pool", "pool-spread", "dyn"]
     # One endpoint per worker (server.workers 2: ports 50099 and 50100), balanced per stream.
     assert [e["endpoint"]["address"]["socket_address"] for e in clusters["extproc"]["load_assignment"]["endpoints"][0]["lb_endpoints"]] == \
         [{"address": "127.0.0.1", "port_value": 50099}, {"address": "127.0.0.1", "port_value": 50100}]
@@ -60,21 +61,131 @@ def test_the_rendered_bootstrap_agrees_with_its_config_and_envoy_accepts_it(tmp_
     assert route["route"]["hash_policy"] == [{"header": {"header_name": "x-replica-key"}}]
     removed = [m["remove"] for m in manager["early_header_mutation_extensions"][0]["typed_config"]["mutations"]]
     assert removed == ["x-route-to", "x-replica-key", "x-auth-user"]
-    path = tmp_path / "envoy.yaml"
-    path.write_text(yaml.safe_dump(bootstrap))
-    result = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(path)], capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert_envoy_accepts(bootstrap, tmp_path)
 
 
-def test_https_endpoints_get_tls_with_sni():
+def verified_tls(host: str, ca_file: str = SYSTEM_CA_FILE, san_type: str = "DNS") -> dict:
+    """The transport socket that verifies `host`'s certificate (chain and name), as
+    envoy/third-party-cluster.example.yaml does."""
+    context = {"@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext"}
+    if san_type == "DNS":
+        context["sni"] = host
+    context["common_tls_context"] = {"validation_context": {
+        "trusted_ca": {"filename": ca_file}, "match_typed_subject_alt_names": [{"san_type": san_type, "matcher": {"exact": host}}],
+    }}
+    return {"name": "envoy.transport_sockets.tls", "typed_config": context}
+
+
+def test_https_endpoints_get_tls_that_verifies_the_chain_and_the_name():
+    """Issue 29 item 6: the system's CA bundle by default, the endpoint's host as SNI and as the
+    name the certificate must carry; `tls_ca_file` for a private CA."""
     data = fleet()
     data["providers"][2].update(endpoints=["https://api.tensorx.example"])
     bootstrap = render(parse_config(data), template())
     tensorx = {c["name"]: c for c in bootstrap["static_resources"]["clusters"]}["tensorx"]
     address = tensorx["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]
     assert address == {"address": "api.tensorx.example", "port_value": 443}
-    assert tensorx["transport_socket"]["typed_config"]["sni"] == "api.tensorx.example"
+    assert tensorx["transport_socket"] == verified_tls("api.tensorx.example")
+    assert "transport_socket_matches" not in tensorx  # one host name: one socket
     assert "health_checks" not in tensorx  # a third party is never checked
+    data["providers"][2]["tls_ca_file"] = "/etc/iris/provider-ca.pem"
+    bootstrap = render(parse_config(data), template())
+    tensorx = {c["name"]: c for c in bootstrap["static_resources"]["clusters"]}["tensorx"]
+    assert tensorx["transport_socket"] == verified_tls("api.tensorx.example", "/etc/iris/provider-ca.pem")
+
+
+def test_https_endpoints_on_several_hosts_each_verify_their_own_name(tmp_path):
+    """Issue 29 item 14: each endpoint gets its own host's SNI and name, not the first one's: a
+    transport socket match per host name, picked by the endpoint's metadata; an IP address is
+    verified as an IP SAN and sends no SNI. Real Envoy accepts it."""
+    data = fleet()
+    data["providers"][2].update(endpoints=["https://a.tensorx.example", "https://b.tensorx.example:8443", "https://a.tensorx.example:444",
+                                           "https://10.1.2.3"])
+    bootstrap = render(parse_config(data), template())
+    tensorx = {c["name"]: c for c in bootstrap["static_resources"]["clusters"]}["tensorx"]
+    endpoints = tensorx["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    picked = [e["metadata"]["filter_metadata"]["envoy.transport_socket_match"]["host"] for e in endpoints]
+    assert picked == ["a.tensorx.example", "b.tensorx.example", "a.tensorx.example", "10.1.2.3"]
+    assert tensorx["transport_socket_matches"] == [
+        {"name": "tls-a.tensorx.example", "match": {"host": "a.tensorx.example"}, "transport_socket": verified_tls("a.tensorx.example")},
+        {"name": "tls-b.tensorx.example", "match": {"host": "b.tensorx.example"}, "transport_socket": verified_tls("b.tensorx.example")},
+        {"name": "tls-10.1.2.3", "match": {"host": "10.1.2.3"}, "transport_socket": verified_tls("10.1.2.3", san_type="IP_ADDRESS")},
+    ]
+    assert tensorx["transport_socket"] == verified_tls("a.tensorx.example")  # never plaintext, whatever an endpoint matches
+    config = parse_config(data)
+    assert envoy_check.check(config, bootstrap) == []
+    assert_envoy_accepts(bootstrap, tmp_path)
+
+
+def assert_envoy_accepts(bootstrap: dict, tmp_path) -> None:
+    path = tmp_path / "envoy.yaml"
+    path.write_text(yaml.safe_dump(bootstrap))
+    result = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(path)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+
+
+JWKS_CLUSTER = {
+    "name": "jwks", "type": "STATIC", "connect_timeout": "1s",
+    "load_assignment": {"cluster_name": "jwks", "endpoints": [{"lb_endpoints": [
+        {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 8900}}}}]}]},
+}
+
+
+def with_jwt_authn(bootstrap: dict, jwks_cluster: dict = JWKS_CLUSTER) -> dict:
+    """`bootstrap` with jwt_authn before ext_proc, its keys fetched from the `jwks` cluster."""
+    manager = bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    manager["http_filters"].insert(0, {
+        "name": "envoy.filters.http.jwt_authn",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.jwt_authn.v3.JwtAuthentication",
+            "providers": {"iris": {
+                "issuer": "https://issuer.example",
+                "remote_jwks": {"http_uri": {"uri": "http://127.0.0.1/jwks.json", "cluster": "jwks", "timeout": "2s"}},
+                "claim_to_headers": [{"header_name": "x-auth-user", "claim_name": "sub"}],
+            }},
+            "rules": [{"match": {"prefix": "/"}, "requires": {"provider_name": "iris"}}],
+        },
+    })
+    bootstrap["static_resources"]["clusters"].append(jwks_cluster)
+    return bootstrap
+
+
+def test_the_templates_own_clusters_are_kept(tmp_path):
+    """Issue 29 item 14: a template with jwt_authn and its remote JWKS cluster renders a
+    bootstrap with that cluster, as the template has it (it was dropped: every request 401)."""
+    bootstrap = render(parse_config(fleet()), with_jwt_authn(template()))
+    clusters = {c["name"]: c for c in bootstrap["static_resources"]["clusters"]}
+    assert clusters["jwks"] == JWKS_CLUSTER
+    assert_envoy_accepts(bootstrap, tmp_path)
+
+
+def test_a_template_whose_shape_cannot_be_read_is_a_render_error():
+    broken = template()
+    broken["static_resources"]["clusters"][1] = ["iris-1"]
+    with pytest.raises(RenderError, match="the template's shape cannot be read"):
+        render(parse_config(fleet()), broken)
+
+
+@pytest.mark.parametrize(("endpoint", "problem"), [
+    ("http://127.0.0.11:0", "has port 0"),
+    ("https://user:secret@api.tensorx.example", "carries user:password@ (not shown here)"),
+    ("https://api.tensorx.example#x", "is not http(s)://host[:port]"),
+    ("https://api.tensorx.example:70000", "has an invalid port"),
+])
+def test_an_endpoint_that_cannot_be_rendered_is_refused(endpoint, problem):
+    data = fleet()
+    data["providers"][2].update(endpoints=[endpoint])
+    with pytest.raises(ConfigError) as raised:
+        parse_config(data)
+    assert any(p.startswith("providers[2].endpoints[0]: ") and problem in p for p in raised.value.problems), raised.value.problems
+    assert "secret" not in str(raised.value)
+
+
+def test_tls_ca_file_goes_with_https_endpoints():
+    data = fleet()
+    data["providers"][0]["tls_ca_file"] = "/etc/iris/ca.pem"
+    with pytest.raises(ConfigError, match=r"providers\[0\].tls_ca_file: only with https endpoints"):
+        parse_config(data)
 
 
 def test_a_provider_without_endpoints_needs_its_cluster_in_the_template():
