@@ -7,10 +7,9 @@ import itertools
 
 import pytest
 
-from extproc.config import parse_config
+from extproc.config import RedisSettings, parse_config
 from extproc.routing.placement import deciding_with, prompt_blocks
 from extproc.routing.state import Result, RoutingState
-from extproc.config import RedisSettings
 from extproc.storage.pipelined import open_pipelined
 from tests.support.configs import small_config_data
 
