@@ -185,7 +185,9 @@ def with_destination(response: ProcessingResponse, endpoints: tuple[str, ...]) -
     Unchanged when `endpoints` is empty (Envoy's fallback policy chooses)."""
     if endpoints:
         value = ",".join(endpoints)
-        _add_header(response.request_body.response.header_mutation.set_headers, DESTINATION_ENDPOINT_HEADER, value)
+        option = response.request_body.response.header_mutation.set_headers.add()
+        option.header.key, option.header.raw_value = DESTINATION_ENDPOINT_HEADER, value.encode()
+        option.append_action = _OVERWRITE  # never beside a copy a client slipped in
         fields = response.dynamic_metadata.fields[LB_METADATA_NAMESPACE].struct_value.fields
         fields[DESTINATION_ENDPOINT_HEADER].string_value = value
     return response

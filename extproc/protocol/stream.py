@@ -355,6 +355,8 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
                 self.observer.observe(decision.provider, stream.model, stream.status)
             if self.config.server.expose_routing_headers:
                 extra |= {"x-iris-provider": decision.provider.name, "x-iris-route-reason": decision.reason.value}
+                if decision.lease is not None and decision.lease.endpoint is not None:  # affinity pick
+                    extra["x-iris-endpoint"] = decision.lease.endpoint
         elif stream.lookup is not None:
             await self._on_lookup_answer(stream)
             if self.config.server.expose_routing_headers:
