@@ -292,12 +292,16 @@ end
 
 -- Pair p's endpoints under their cap, best first (a list of endpoint indexes; empty when every
 -- endpoint is at its cap). `sticky` (an index or nil): the session's pinned endpoint, first while
--- under its cap. The others by placement score (prefix weight x overlap share - load weight x
--- in-flight count), then fewer in flight, then a rotation by the lease id, so that equal
--- endpoints share new work instead of the first one taking it all.
+-- under its cap; the fallbacks after it are then ranked by load alone (the common path of a
+-- pinned turn reads no prefix index). Otherwise by placement score (prefix weight x overlap
+-- share - load weight x in-flight count), then fewer in flight, then a rotation by the lease id,
+-- so that equal endpoints share new work instead of the first one taking it all.
 local function rank_endpoints(ctx, p, sticky, lease_id)
   local pick, placement = p.pick, ctx.placement
   local k = #ctx.blocks
+  if sticky and (pick.cap == NO_LIMIT or live_count(pick.leases[sticky], ctx.now) < pick.cap) then
+    k = 0
+  end
   local rotate = tonumber(string.sub(lease_id or '', 1, 6), 16) or 0
   local e = #pick.endpoints
   local ranked = {}
@@ -347,13 +351,19 @@ local function record_placement(ctx, p, lease_id, deadline)
   extend_ttl(pick.leases[j], ctx.lease_timeout + ctx.grace)
   drop_expired(pick.leases[j], ctx.now - ctx.lease_timeout)
   local k = #ctx.blocks
+  local index = pick.prefixes[j]
+  -- Already known and touched within the last sixteenth of the index TTL: nothing to learn (a
+  -- session's later turns repeat its prefix), one read instead of a write of k members.
+  local seen = k > 0 and redis.call('ZSCORE', index, ctx.blocks[k])
+  if seen and tonumber(seen) > ctx.now - ctx.placement.index_ttl / 16 then
+    k = 0
+  end
   if k > 0 then
     local members = {}
     for i = 1, k do
       members[2 * i - 1] = ctx.now
       members[2 * i] = ctx.blocks[i]
     end
-    local index = pick.prefixes[j]
     redis.call('ZADD', index, unpack(members))
     local over = redis.call('ZCARD', index) - ctx.placement.index_size
     if over > 0 then
