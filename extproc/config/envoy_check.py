@@ -7,7 +7,9 @@ header (`session.trusted_identity_headers`, when `trusted_header` is an identity
 any client could claim any identity; a provider whose sessions
 keep their replica by hash (Affinity `session_hash`) has a consistent-hash cluster, the route
 hashes on `server.affinity_header` and the early header mutation removes it too; a
-`sessionless_cluster` exists and does not hash; the ext_proc filter's cluster reaches
+`sessionless_cluster` exists and does not hash; a provider with affinity `pick` has an
+override_host cluster over its endpoints and the early header mutation removes a client's
+`x-gateway-destination-endpoint` (`pick_cluster_problems`, `pick_header_problems`); the ext_proc filter's cluster reaches
 `server.listen`'s port and the port of every worker (`server.workers`: listen's port + i), and
 its `mutation_rules` let the server remove every `x-envoy-*` header it must remove
 (`adaptation.private_headers`, ...: Envoy ignores such a removal otherwise); with the admission
