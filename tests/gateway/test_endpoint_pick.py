@@ -123,3 +123,42 @@ def test_without_redis_the_hash_places_and_a_clients_pick_is_still_not_honoured(
         assert len(set(served.values())) > 1, f"every session went to the client's pick {names[target]}: {served}"
     finally:
         pool.start_redis_again()
+
+
+@pytest.fixture
+def lone_pool(tmp_path):
+    sim = ProviderSimulation(ttft_ms=1, per_token_ms=1)
+    gateway = LocalGateway(config_data=pick_config(), replicas={"iris-1": REPLICAS}, default_simulation=sim, work_dir=tmp_path / "pick")
+    with gateway:
+        yield gateway
+
+
+def test_a_dead_replicas_sessions_are_served_by_the_next_endpoint_of_the_pick(lone_pool):
+    """No per-endpoint health yet (issue 30): the router still picks a killed replica for its
+    sessions, Envoy's connection is refused, and the route's retry policy takes the next
+    endpoint of the pick's list (nothing was sent, nothing is generated twice). The other
+    sessions keep their replica."""
+    home: dict[int, str] = {}
+    with httpx.Client(timeout=30) as client:
+        for session in range(SESSIONS):
+            response = chat(client, lone_pool.url, session, 0)
+            assert response.status_code == 200, response.text
+            home[session] = response.headers["x-simulator-name"]
+        victim = lone_pool.pools["iris-1"][0]
+        victim.kill()
+        assert wait_until(lambda: envoy_connections(lone_pool, victim.port) == 0, within_seconds=10)
+        for session in range(SESSIONS):
+            response = chat(client, lone_pool.url, session, 1)
+            assert response.status_code == 200, response.text
+            served = response.headers["x-simulator-name"]
+            assert served != "iris-1-r0"
+            if home[session] != "iris-1-r0":
+                assert served == home[session], f"session {session} of a live replica moved"
+    assert "iris-1-r0" in home.values(), home
+
+
+def envoy_connections(gateway: LocalGateway, port: int) -> int:
+    """Envoy's open connections to the replica on `port` (its admin /clusters page)."""
+    text = httpx.get(f"http://127.0.0.1:{gateway.running[0].admin_port}/clusters", timeout=5).text
+    prefix = f"iris-1::127.0.0.1:{port}::cx_active::"
+    return next((int(line[len(prefix):]) for line in text.splitlines() if line.startswith(prefix)), 0)
