@@ -205,3 +205,28 @@ def test_prompt_blocks_chain() -> None:
     assert blocks("y" + "x" * 599)[1] != a[1], "a block's hash covers every block before it"
     assert prompt_blocks(b"z" * 100_000, 256, 32) == prompt_blocks(b"z" * 8192, 256, 32)
     assert prompt_blocks(None, 256, 32) == ()
+
+
+async def test_a_reload_that_adds_an_endpoint_moves_no_session_and_one_that_removes_one_moves_only_its_own(redis_client, redis_url):
+    before = RoutingState(redis_client, pick_config(redis_url))
+    homes = {}
+    for i in range(6):
+        lease = (await before.try_admit_unpinned_session_request("iris-1", "m", f"s{i}", now_ms=T0)).lease
+        homes[f"s{i}"] = lease.endpoint
+        await before.release_request_lease(lease, refresh_pin=True, now_ms=T0)
+    grown = pick_config(redis_url)
+    grown.providers[0].endpoints.append("http://127.0.0.1:9004")
+    after = RoutingState(redis_client, grown)
+    for session, home in homes.items():
+        lease = (await after.try_admit_pinned_session_request("m", session, now_ms=T0 + 1)).lease
+        assert lease.endpoint == home, "an added endpoint moves no session"
+        await after.release_request_lease(lease, refresh_pin=True, now_ms=T0 + 1)
+    shrunk = pick_config(redis_url)
+    gone = ENDPOINTS[0]
+    shrunk.providers[0].endpoints.remove(f"http://{gone}")
+    smaller = RoutingState(redis_client, shrunk)
+    for session, home in homes.items():
+        lease = (await smaller.try_admit_pinned_session_request("m", session, now_ms=T0 + 2)).lease
+        assert lease.endpoint != gone and (home == gone or lease.endpoint == home), (session, home, lease.endpoint)
+        await smaller.release_request_lease(lease, refresh_pin=True, now_ms=T0 + 2)
+    assert gone in homes.values()
