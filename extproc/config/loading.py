@@ -278,7 +278,11 @@ def _pick_problems(at: str, provider: Provider) -> list[str]:
     repeated = sorted(e for e, n in Counter(identities).items() if n > 1)
     if repeated:
         return [f"{at}.endpoints: {', '.join(repeated)} listed more than once (affinity pick: one URL per replica)"]
-    return []
+    return [
+        f"{at}.models.{model}.limits: affinity pick counts each endpoint's requests by their leases, and a pair without "
+        "limits takes none for a request without a session: set limits (an empty mapping limits nothing)"
+        for model, entry in provider.models.items() if entry.limits is None
+    ]
 
 
 def _limit_problems(at: str, kind: ProviderKind, limits: ModelLimits | None) -> list[str]:

@@ -43,6 +43,14 @@ def test_pick_needs_endpoints_that_name_distinct_replicas():
     assert any("does not resolve" in p for p in problems(fleet(endpoints=["http://no-such-host.invalid:8080"])))
 
 
+def test_pick_needs_limits_so_that_every_request_takes_a_lease():
+    data = fleet()
+    del data["providers"][0]["models"]["m"]["limits"]
+    assert any("models.m.limits: affinity pick counts each endpoint's requests" in p for p in problems(data))
+    data["providers"][0]["models"]["m"]["limits"] = {}
+    assert parse_config(data).providers[0].limits("m") is not None
+
+
 def test_the_cap_per_endpoint_is_for_pick_only():
     data = fleet(affinity="session_hash")
     assert any("max_in_flight_per_endpoint: only with affinity pick" in p for p in problems(data))
