@@ -10,7 +10,9 @@ import pytest
 from extproc.config import RedisSettings, parse_config
 from extproc.routing.placement import deciding_with, prompt_blocks
 from extproc.routing.state import Result, RoutingState
+from extproc.storage.client import open_redis
 from extproc.storage.pipelined import open_pipelined
+from irislab.redis_topologies import LocalCluster
 from tests.support.configs import small_config_data
 
 T0 = 1_000_000_000
@@ -19,8 +21,8 @@ ENDPOINTS = ["127.0.0.1:9001", "127.0.0.1:9002", "127.0.0.1:9003"]
 CAP = 2
 
 
-def pick_config(redis_url: str, cap: int | None = CAP, **placement):
-    data = small_config_data(redis_url)
+def pick_config(redis_url: str, cap: int | None = CAP, redis: dict | None = None, **placement):
+    data = small_config_data(redis_url) if redis is None else small_config_data(redis=redis)
     pool = data["providers"][0]
     pool["affinity"] = "pick"
     pool["endpoints"] = [f"http://{e}" for e in ENDPOINTS]
@@ -222,11 +224,34 @@ async def test_a_reload_that_adds_an_endpoint_moves_no_session_and_one_that_remo
         assert lease.endpoint == home, "an added endpoint moves no session"
         await after.release_request_lease(lease, refresh_pin=True, now_ms=T0 + 1)
     shrunk = pick_config(redis_url)
-    gone = ENDPOINTS[0]
+    gone = homes["s0"]
     shrunk.providers[0].endpoints.remove(f"http://{gone}")
     smaller = RoutingState(redis_client, shrunk)
     for session, home in homes.items():
         lease = (await smaller.try_admit_pinned_session_request("m", session, now_ms=T0 + 2)).lease
         assert lease.endpoint != gone and (home == gone or lease.endpoint == home), (session, home, lease.endpoint)
         await smaller.release_request_lease(lease, refresh_pin=True, now_ms=T0 + 2)
-    assert gone in homes.values()
+
+
+@pytest.mark.parametrize("kind", ["redis-py", "pipelined"])
+async def test_placement_and_counts_in_a_redis_cluster(tmp_path, kind):
+    """The pick's keys (endpoint leases and prefix indexes) share the model's hash tag: in a
+    Redis Cluster every script still runs on one shard, over either client."""
+    with LocalCluster(tmp_path / "cluster") as cluster:
+        config = pick_config("", redis={"cluster": {"nodes": cluster.seeds}, "key_prefix": "t"})
+        client = open_redis(config.redis, timeout_seconds=5)
+        hot = None if kind == "redis-py" else open_pipelined(config.redis, timeout_seconds=5)
+        try:
+            state = RoutingState(client, config, hot_path=hot)
+            leases = [(await state.try_admit_unpinned_session_request("iris-1", "m", f"s{i}")).lease for i in range(3)]
+            with deciding_with(blocks("a shared system prompt " * 40)):
+                turn = await state.try_admit_pinned_session_request("m", "s0")
+            assert sorted(lease.endpoint for lease in leases) == ENDPOINTS
+            assert turn.lease.endpoint == leases[0].endpoint
+            for lease in [*leases, turn.lease]:
+                assert (await state.renew_request_lease(lease)).result is Result.RENEWED
+                assert (await state.release_request_lease(lease, refresh_pin=True)).result is Result.RELEASED
+        finally:
+            if hot is not None:
+                await hot.aclose()
+            await client.aclose()
