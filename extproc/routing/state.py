@@ -356,7 +356,7 @@ class RoutingState:
 
     def picks(self, model: str) -> bool:
         """Whether some provider of `model` has affinity pick (its admissions place on endpoints)."""
-        return bool(self._pick_keys[model])
+        return bool(self._pick_keys.get(model))
 
     def queue_enabled(self, model: str) -> bool:
         """Whether the admission queue is on for `model` (some class may wait: docs/queue.md)."""
