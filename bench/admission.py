@@ -3,14 +3,18 @@
 pre-loaded to 1k and to 100k live pins.
 
     python -m bench.admission [--pins 1000 100000] [--decisions 20000] [--concurrency 64]
-                              [--wait-replicas 1 [--wait-timeout-ms 50]]
+                              [--wait-replicas 1 [--wait-timeout-ms 50]] [--pick 3]
 
 Each decision is a pinned session's request (the common path: one fused script call) followed
 by its release, so every decision costs two round trips. Redis is started here without
 persistence; the client runs on the same machine. With `--wait-replicas N` the Redis gets N
 replicas (local processes, in sync before the run) and the config turns on
 `redis.durable_admissions` (a WAIT after every admission, docs/routing-state.md "Durable admissions"), to
-measure what it costs. Latencies are per decision (admission only, the release not included).
+measure what it costs. With `--pick N` iris-1 has affinity pick over N endpoints (no cap): every
+admission also places the request (its session's endpoint, the fallbacks scored by prefix
+overlap and load) and teaches the endpoint's prefix index the prompt's blocks (one of 64 shared
+prefixes of 4 KiB: 16 blocks), to compare redis-server CPU per decision with and without it.
+Latencies are per decision (admission only, the release not included).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from bench.common import cpu_seconds, load_average, summarize_ms
 from extproc import metrics
 from extproc.config import parse_config
 from extproc.routing.degraded import DegradedFlags
+from extproc.routing.placement import deciding_with, prompt_blocks
 from extproc.routing.router import Decision, Router, RoutingRequest
 from extproc.routing.state import RoutingState, connect
 from irislab.processes import start_redis
@@ -35,7 +40,7 @@ MODEL = "m"
 PRELOAD_BATCH = 2_000
 
 
-def bench_config(redis_url: str, pins: int, wait_replicas: int = 0, wait_timeout_ms: int = 50) -> dict:
+def bench_config(redis_url: str, pins: int, wait_replicas: int = 0, wait_timeout_ms: int = 50, pick: int = 0) -> dict:
     limits = {
         "max_pinned_sessions": pins * 2,
         "max_global_in_flight_request_slots": pins * 2,
@@ -45,13 +50,13 @@ def bench_config(redis_url: str, pins: int, wait_replicas: int = 0, wait_timeout
     redis = {"url": redis_url, "key_prefix": "bench", "socket_timeout_seconds": 5, "max_connections": 128}
     if wait_replicas:
         redis["durable_admissions"] = {"replicas": wait_replicas, "timeout_ms": wait_timeout_ms}
+    pool = {"name": "iris-1", "kind": "managed", "cluster": "iris-1", "models": {MODEL: {"features": ["chat"], "limits": limits}}}
+    if pick:
+        pool.update(affinity="pick", endpoints=[f"http://127.0.0.1:{9000 + i}" for i in range(pick)])
     return {
         "pin_inactivity_timeout_seconds": 3600,
         "redis": redis,
-        "providers": [
-            {"name": "iris-1", "kind": "managed", "cluster": "iris-1", "models": {MODEL: {"features": ["chat"], "limits": limits}}},
-            {"name": "tensorx", "kind": "unlimited", "cluster": "tensorx", "models": {MODEL: {"features": ["chat"]}}},
-        ],
+        "providers": [pool, {"name": "tensorx", "kind": "unlimited", "cluster": "tensorx", "models": {MODEL: {"features": ["chat"]}}}],
     }
 
 
@@ -74,11 +79,13 @@ async def script_stats(redis) -> dict[str, tuple[int, float]]:
 
 async def run(
     redis_url: str, pins: int, decisions: int, concurrency: int, wait_replicas: int = 0, wait_timeout_ms: int = 50,
-    redis_pid: int | None = None,
+    redis_pid: int | None = None, pick: int = 0,
 ) -> None:
     """One run; with `redis_pid`, the redis-server's CPU time per decision is reported too: the
     shard's ceiling is one core's worth of them (Redis runs scripts on one thread)."""
-    config = parse_config(bench_config(redis_url, pins, wait_replicas, wait_timeout_ms))
+    config = parse_config(bench_config(redis_url, pins, wait_replicas, wait_timeout_ms, pick))
+    placement = config.routing.placement
+    prefixes = [prompt_blocks(f"system prompt {i} ".encode() * 256, placement.block_chars, 16) for i in range(64)] if pick else [()]
     redis = connect(redis_url, timeout_seconds=5, max_connections=128)
     await redis.flushall()
     state = RoutingState(redis, config)
@@ -94,7 +101,8 @@ async def run(
         while queue:
             session = queue.pop()
             asked = time.perf_counter()
-            decision = await router.execute_request(RoutingRequest(MODEL, "chat", frozenset(), session))
+            with deciding_with(prefixes[hash(session) % len(prefixes)]):
+                decision = await router.execute_request(RoutingRequest(MODEL, "chat", frozenset(), session))
             latencies_ms.append((time.perf_counter() - asked) * 1000)
             assert isinstance(decision, Decision)
             await state.release_request_lease(decision.lease, refresh_pin=True)
@@ -106,7 +114,7 @@ async def run(
     redis_cpu_us = (cpu_seconds(redis_pid) - redis_cpu_before) / decisions * 1e6 if redis_pid else None
     calls, usec = (await script_stats(redis))["evalsha"]
     latency = summarize_ms(latencies_ms)
-    waits = f", WAIT {wait_replicas} {wait_timeout_ms}" if wait_replicas else ""
+    waits = (f", WAIT {wait_replicas} {wait_timeout_ms}" if wait_replicas else "") + (f", pick over {pick} endpoints" if pick else "")
     not_replicated = metrics.ADMISSIONS_NOT_REPLICATED._value.get() - not_replicated_before
     print(
         f"pins {pins:>7}{waits}: {decisions / elapsed:8.0f} decisions/s (each with its release), "
@@ -127,6 +135,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--wait-replicas", type=int, default=0, help="start this many replicas and WAIT for them on admissions")
     parser.add_argument("--wait-timeout-ms", type=int, default=50)
+    parser.add_argument("--pick", type=int, default=0, help="iris-1 with affinity pick over this many endpoints")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="iris-bench-"))
     redis_process = start_redis(work)
@@ -134,7 +143,7 @@ def main() -> None:
     try:
         for pins in args.pins:
             asyncio.run(run(f"redis://127.0.0.1:{redis_process.port}/0", pins, args.decisions, args.concurrency,
-                            args.wait_replicas, args.wait_timeout_ms, redis_process.pid))
+                            args.wait_replicas, args.wait_timeout_ms, redis_process.pid, args.pick))
     finally:
         for replica in replicas:
             replica.stop()

@@ -125,6 +125,8 @@ class LocalGateway(StartedTogether):
     `<provider>-r<i>` in `x-simulator-name`. `engines`: per provider name, the base URLs of
     servers already running on 127.0.0.1 (real engines: llama-server) that make its pool instead
     of simulators; the config's health-check and load URLs of such a provider are kept as given.
+    A simulated provider with affinity `pick` gets its simulators as `endpoints` (whatever the
+    config lists) and the rendered bootstrap (its override_host cluster).
     `real_providers`: every provider with `endpoints` in the config is reached there, through
     the bootstrap `iris-extproc envoy-config` renders (extproc.config.envoy_render), and gets no
     simulator; the others are simulated as usual."""
@@ -163,6 +165,13 @@ class LocalGateway(StartedTogether):
     def provider_url(self, name: str) -> str:
         return f"http://127.0.0.1:{self.providers[name].port}"
 
+    @property
+    def _picks(self) -> bool:
+        """Whether a provider has affinity pick: Envoy's cluster must then be the rendered one
+        (override_host over the simulated replicas, extproc.config.envoy_render.render_pick), and
+        the provider's `endpoints` in the config become its simulators' URLs."""
+        return any(p.picks for p in self.config.providers)
+
     def replica_urls(self, name: str) -> list[str]:
         """The base URL of each replica of simulated provider `name`."""
         return [f"http://127.0.0.1:{process.port}" for process in self.pools[name]]
@@ -181,7 +190,7 @@ class LocalGateway(StartedTogether):
         if self.workers is not None:
             data = {**data, "server": {**data.get("server", {}), "workers": self.workers}}
         self.config = parse_config(data)
-        if self.real_providers:  # the bootstrap is rendered from the config: the template only has to carry it
+        if self.real_providers or self._picks:  # the bootstrap is rendered from the config: the template only has to carry it
             try:
                 envoy_render.render(self.config, envoy_config.load_envoy_yaml(self.envoy_source))
             except envoy_render.RenderError as exc:
@@ -287,6 +296,8 @@ class LocalGateway(StartedTogether):
             if entry["name"] in self.engines:
                 providers.append(entry)
                 continue
+            if entry.get("affinity") == "pick":  # the router picks among the simulated replicas themselves
+                entry["endpoints"] = self.replica_urls(entry["name"])
             port = self.providers[entry["name"]].port
             for name in ("health_check", "load"):
                 if entry.get(name):
@@ -326,7 +337,7 @@ class LocalGateway(StartedTogether):
                 ports = [process.port for process in self.pools[provider.name]]
             for cluster in filter(None, (provider.cluster, provider.sessionless_cluster)):
                 cluster_ports[cluster] = ports if len(ports) > 1 else ports[0]
-        if self.real_providers:
+        if self.real_providers or self._picks:
             bootstrap = self._rendered_bootstrap(listener_port, admin_port, cluster_ports)
         else:
             bootstrap = envoy_config.render(listener_port, admin_port, cluster_ports, source=self.envoy_source)

@@ -8,7 +8,9 @@ any client could claim any identity; a provider whose sessions
 keep their replica by hash (Affinity `session_hash`) has a consistent-hash cluster, the route
 hashes on `server.affinity_header` and the early header mutation removes it too; a
 `sessionless_cluster` exists and does not hash; a provider cluster that speaks TLS verifies
-the provider's certificate chain and name (`_tls_problems`); the ext_proc filter's cluster reaches
+the provider's certificate chain and name (`_tls_problems`); a provider with affinity `pick` has an
+override_host cluster over its endpoints and the early header mutation removes a client's
+`x-gateway-destination-endpoint` (`pick_cluster_problems`, `pick_header_problems`); the ext_proc filter's cluster reaches
 `server.listen`'s port and the port of every worker (`server.workers`: listen's port + i), and
 its `mutation_rules` let the server remove every `x-envoy-*` header it must remove
 (`adaptation.private_headers`, ...: Envoy ignores such a removal otherwise); with the admission
@@ -33,6 +35,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from extproc.config import Affinity, Config, IdentitySource, Provider, ProviderKind
+from extproc.config.endpoints import EndpointError, pick_endpoints
 from extproc.config.schema import ServerSettings, SessionSignal
 from extproc.config.yaml_text import YamlTextError, parse_yaml
 
@@ -41,6 +44,9 @@ HCM_FILTER = "envoy.filters.network.http_connection_manager"
 LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
 HASH_LB_POLICIES = frozenset({"RING_HASH", "MAGLEV"})
 HASH_LB_EXTENSIONS = ("envoy.load_balancing_policies.ring_hash", "envoy.load_balancing_policies.maglev")
+OVERRIDE_HOST_POLICY = "envoy.load_balancing_policies.override_host"
+DESTINATION_ENDPOINT_HEADER = "x-gateway-destination-endpoint"  # the endpoint-picker protocol (extproc.protocol.messages)
+LB_METADATA_NAMESPACE = "envoy.lb"
 ENVOY_HEADER_PREFIX = "x-envoy-"  # Envoy's own headers: an ext_proc mutation needs mutation_rules to touch them
 
 class EnvoyConfigError(ValueError):
@@ -111,6 +117,7 @@ def check(config: Config, bootstrap: dict[str, Any], envoy_name: str = "envoy.ya
                 problems.append(f"provider {provider.name}: {what} {name!r} is not a cluster of {envoy_name} (its clusters: {known})")
         problems += _affinity_cluster_problems(provider, clusters, envoy_name)
         problems += _tls_problems(provider, clusters, envoy_name)
+        problems += pick_cluster_problems(provider, clusters, envoy_name)
     hashed = [p for p in config.providers if p.session_affinity is Affinity.SESSION_HASH]
     managers = connection_managers(bootstrap)
     if not managers:
@@ -127,6 +134,7 @@ def check(config: Config, bootstrap: dict[str, Any], envoy_name: str = "envoy.ya
         problems += _mode_override_problems(manager, envoy_name)
         problems += _queue_problems(config, manager, envoy_name)
         problems += _forwarding_problems(config, manager, envoy_name)
+        problems += pick_header_problems(config, manager, envoy_name)
     if addresses:
         for provider in config.providers:
             cluster = clusters.get(provider.cluster)
@@ -646,3 +654,69 @@ def _dict(value: Any) -> dict[str, Any]:
 def _list(value: Any) -> list[Any]:
     return value if isinstance(value, list) else []
 
+
+# ---- affinity pick: the endpoint-picker protocol (issue 30) -------------------------------------
+
+def pick_cluster_problems(provider: Provider, clusters: dict[str, Any], envoy_name: str) -> list[str]:
+    """A provider with affinity pick: its cluster balances by override_host reading the
+    endpoint-picker protocol's header (or its `envoy.lb` metadata), with a consistent hash as the
+    fallback, and lists every endpoint the router may name (`ip:port`) as a STATIC host."""
+    cluster = clusters.get(provider.cluster)
+    if not provider.picks or cluster is None:
+        return []
+    problems = []
+    policy = next((
+        _dict(_dict(p).get("typed_extension_config")) for p in _list(_dict(cluster.get("load_balancing_policy")).get("policies"))
+        if _dict(_dict(p).get("typed_extension_config")).get("name") == OVERRIDE_HOST_POLICY
+    ), None)
+    where = f"provider {provider.name}: cluster {provider.cluster!r} of {envoy_name}"
+    if policy is None:
+        return [f"{where} cannot take the router's pick: its load_balancing_policy is not {OVERRIDE_HOST_POLICY} (affinity pick)"]
+    typed = _dict(policy.get("typed_config"))
+    sources = [_dict(s) for s in _list(typed.get("override_host_sources"))]
+    reads = any(str(s.get("header", "")).lower() == DESTINATION_ENDPOINT_HEADER for s in sources) or any(
+        _dict(s.get("metadata")).get("key") == LB_METADATA_NAMESPACE
+        and [_dict(k).get("key") for k in _list(_dict(s.get("metadata")).get("path"))] == [DESTINATION_ENDPOINT_HEADER]
+        for s in sources
+    )
+    if not reads:
+        problems.append(f"{where}: override_host reads neither the header {DESTINATION_ENDPOINT_HEADER!r} nor envoy.lb metadata of that key")
+    fallback = _list(_dict(typed.get("fallback_policy")).get("policies"))
+    if not any(_dict(_dict(p).get("typed_extension_config")).get("name") in HASH_LB_EXTENSIONS for p in fallback):
+        problems.append(f"{where}: override_host's fallback_policy is not a consistent hash (maglev or ring_hash): "
+                        "a request without a pick would lose its session's replica")
+    hosts = {
+        _socket_identity(_dict(_dict(_dict(e).get("endpoint")).get("address")).get("socket_address"))
+        for group in _list(_dict(cluster.get("load_assignment")).get("endpoints")) for e in _list(_dict(group).get("lb_endpoints"))
+    }
+    try:
+        missing = [e for e in pick_endpoints(provider.endpoints) if e not in hosts]
+    except EndpointError as exc:
+        return [*problems, f"provider {provider.name}: endpoints: {exc}"]
+    if missing or cluster.get("type", "STATIC") != "STATIC":
+        problems.append(f"{where} is not STATIC over every endpoint the router picks (missing: {', '.join(missing) or 'none'}): "
+                        "override_host only reaches a host of the cluster")
+    return problems
+
+
+def _socket_identity(address: Any) -> str:
+    """A socket_address as an endpoint identity, `ip:port` or `[ip]:port`."""
+    address = _dict(address)
+    host = str(address.get("address", ""))
+    return f"[{host}]:{address.get('port_value')}" if ":" in host else f"{host}:{address.get('port_value')}"
+
+
+def pick_header_problems(config: Config, manager: dict[str, Any], envoy_name: str) -> list[str]:
+    """With a provider of affinity pick, the early header mutation removes a client's
+    `x-gateway-destination-endpoint` (override_host trusts its downstream), and the route hashes
+    on the session key for the fallback policy."""
+    picking = [p for p in config.providers if p.picks]
+    if not picking:
+        return []
+    problems = []
+    if DESTINATION_ENDPOINT_HEADER not in removed_early(manager):
+        problems.append(f"{envoy_name}: no early header mutation removes {DESTINATION_ENDPOINT_HEADER!r}, so a client could pick "
+                        f"provider {picking[0].name}'s replica (early_header_mutation_extensions: remove)")
+    if any(p.session_affinity is Affinity.SESSION_HASH for p in config.providers):
+        return problems  # check() compares the route's hash policy already
+    return problems + _hash_policy_problems(config.server.affinity_header, picking[0].name, manager, envoy_name)

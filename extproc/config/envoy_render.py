@@ -28,6 +28,11 @@ routing config:
 - a provider without `endpoints` keeps the template's cluster of that name; every other cluster
   of the template stays too, in its place (a JWKS cluster that jwt_authn fetches keys from, a
   collector's, ...); a rendered cluster replaces the template's of the same name.
+- a provider with affinity `pick` (the router picks the endpoint: `render_pick`): its cluster is
+  STATIC over the endpoints' `ip:port` identities, with Envoy's override_host load-balancing
+  policy reading the endpoint-picker protocol's header and `envoy.lb` metadata, MAGLEV on the
+  session key as its fallback; the ext_proc filter accepts the `envoy.lb` namespace and the
+  early header mutation removes a client's copy of the header.
 
 The result passes extproc.config.envoy_check against the same config (tested).
 """
@@ -39,7 +44,16 @@ import ipaddress
 from typing import Any
 from urllib.parse import urlsplit
 
-from extproc.config.envoy_check import EXT_PROC_FILTER, HCM_FILTER, connection_managers, read_headers
+from extproc.config.endpoints import pick_endpoints, split_identity
+from extproc.config.envoy_check import (
+    DESTINATION_ENDPOINT_HEADER,
+    EXT_PROC_FILTER,
+    HCM_FILTER,
+    LB_METADATA_NAMESPACE,
+    OVERRIDE_HOST_POLICY,
+    connection_managers,
+    read_headers,
+)
 from extproc.config.schema import Affinity, Config, Provider, ProviderKind
 
 PROTOTYPE_KEYS = ("connect_timeout", "per_connection_buffer_limit_bytes", "typed_extension_protocol_options", "circuit_breakers")
@@ -84,6 +98,7 @@ def _render(config: Config, template: dict[str, Any]) -> dict[str, Any]:
     rendered: dict[str, dict[str, Any]] = {}
     for provider in config.providers:
         rendered.update(provider_clusters(provider, prototype, clusters))
+    render_pick(bootstrap, config, rendered)
     resources["clusters"] = [rendered.pop(name, cluster) for name, cluster in clusters.items()] + list(rendered.values())
     return bootstrap
 
@@ -275,3 +290,73 @@ def _is_ip(host: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+# ---- affinity pick: the endpoint-picker protocol's clusters (issue 30) ---------------------------
+
+OVERRIDE_HOST_TYPE = "type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost"
+MAGLEV_POLICY = "envoy.load_balancing_policies.maglev"
+MAGLEV_TYPE = "type.googleapis.com/envoy.extensions.load_balancing_policies.maglev.v3.Maglev"
+
+
+def render_pick(bootstrap: dict[str, Any], config: Config, rendered: dict[str, dict[str, Any]]) -> None:
+    """Make `bootstrap` (modified in place) carry the router's endpoint picks: each provider with
+    affinity `pick` gets its cluster (in `rendered`, by name) as `pick_cluster` makes it; with
+    any such provider, every ext_proc filter accepts the `envoy.lb` metadata namespace and the
+    early header mutation removes a client's `x-gateway-destination-endpoint` (the override_host
+    policy trusts its downstream: only the router may name the endpoint)."""
+    picking = [p for p in config.providers if p.picks and p.cluster in rendered]
+    for provider in picking:
+        pick_cluster(rendered[provider.cluster], provider)
+    if not picking:
+        return
+    for manager in connection_managers(bootstrap):
+        for http_filter in manager.get("http_filters") or []:
+            if http_filter.get("name") == EXT_PROC_FILTER:
+                options = http_filter.setdefault("typed_config", {}).setdefault("metadata_options", {})
+                untyped = options.setdefault("receiving_namespaces", {}).setdefault("untyped", [])
+                if LB_METADATA_NAMESPACE not in untyped:
+                    untyped.append(LB_METADATA_NAMESPACE)
+        mutations = manager["early_header_mutation_extensions"][0]["typed_config"]["mutations"]  # _set_route_headers made it
+        if {"remove": DESTINATION_ENDPOINT_HEADER} not in mutations:
+            mutations.append({"remove": DESTINATION_ENDPOINT_HEADER})
+
+
+def pick_cluster(cluster: dict[str, Any], provider: Provider) -> dict[str, Any]:
+    """`cluster` (modified in place and returned) as the cluster of a provider with affinity
+    pick: STATIC over the endpoints' `ip:port` (extproc.config.endpoints: the names the router
+    sends, which override_host matches against the cluster's hosts), balanced by
+    `pick_policy`. Health checks, outlier detection and TLS stay as `_provider_cluster` made them."""
+    cluster["type"] = "STATIC"
+    cluster.pop("dns_lookup_family", None)
+    cluster.pop("lb_policy", None)
+    cluster.pop("common_lb_config", None)
+    endpoints = [split_identity(e) for e in pick_endpoints(provider.endpoints)]
+    cluster["load_assignment"] = {
+        "cluster_name": cluster["name"],
+        "endpoints": [{"lb_endpoints": [
+            {"endpoint": {"address": {"socket_address": {"address": host, "port_value": port}}}} for host, port in endpoints
+        ]}],
+    }
+    cluster["load_balancing_policy"] = pick_policy()
+    return cluster
+
+
+def pick_policy() -> dict[str, Any]:
+    """Envoy's override_host policy (envoy.extensions.load_balancing_policies.override_host.v3.
+    OverrideHost): the endpoints from the endpoint-picker protocol's header, else from its
+    `envoy.lb` metadata, tried in order (the next ones for retries); without them (a request the
+    router placed without Redis, a lookup by id) MAGLEV on the route's hash (the session key)
+    with the bounded load of `session_hash`."""
+    maglev = {"@type": MAGLEV_TYPE, "consistent_hashing_lb_config": {"hash_balance_factor": HASH_BALANCE_FACTOR}}
+    return {"policies": [{"typed_extension_config": {
+        "name": OVERRIDE_HOST_POLICY,
+        "typed_config": {
+            "@type": OVERRIDE_HOST_TYPE,
+            "override_host_sources": [
+                {"header": DESTINATION_ENDPOINT_HEADER},
+                {"metadata": {"key": LB_METADATA_NAMESPACE, "path": [{"key": DESTINATION_ENDPOINT_HEADER}]}},
+            ],
+            "fallback_policy": {"policies": [{"typed_extension_config": {"name": MAGLEV_POLICY, "typed_config": maglev}}]},
+        },
+    }}]}

@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 
 from pydantic import ValidationError
 
+from extproc.config.endpoints import EndpointError, pick_endpoints
 from extproc.config.schema import (
     FEATURE_CLASSES,
     REDIS_NODE_PATTERN,
@@ -286,7 +287,33 @@ def _endpoint_problems(at: str, provider: Provider) -> list[str]:
         problems.append(f"{at}.endpoints: mixes http and https (one cluster speaks one)")
     if provider.tls_ca_file is not None and schemes != {"https"}:
         problems.append(f"{at}.tls_ca_file: only with https endpoints (Envoy verifies them against it)")
+    if not problems:
+        problems.extend(_pick_problems(at, provider))
     return problems
+
+
+def _pick_problems(at: str, provider: Provider) -> list[str]:
+    """Affinity `pick`: a managed provider whose endpoints resolve to distinct `ip:port`s; the
+    per-endpoint cap only there (extproc.config.endpoints)."""
+    if not provider.picks:
+        return [
+            f"{at}.models.{model}.max_in_flight_per_endpoint: only with affinity pick (the router counts per endpoint only there)"
+            for model, entry in provider.models.items() if entry.max_in_flight_per_endpoint is not None
+        ]
+    if not provider.endpoints:
+        return [f"{at}.endpoints: affinity pick needs the provider's endpoints (http(s)://ip:port, one per replica)"]
+    try:
+        identities = pick_endpoints(provider.endpoints)
+    except EndpointError as exc:
+        return [f"{at}.endpoints: {exc} (affinity pick names each endpoint by its ip:port)"]
+    repeated = sorted(e for e, n in Counter(identities).items() if n > 1)
+    if repeated:
+        return [f"{at}.endpoints: {', '.join(repeated)} listed more than once (affinity pick: one URL per replica)"]
+    return [
+        f"{at}.models.{model}.limits: affinity pick counts each endpoint's requests by their leases, and a pair without "
+        "limits takes none for a request without a session: set limits (an empty mapping limits nothing)"
+        for model, entry in provider.models.items() if entry.limits is None
+    ]
 
 
 def _limit_problems(at: str, kind: ProviderKind, limits: ModelLimits | None) -> list[str]:

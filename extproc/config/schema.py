@@ -59,11 +59,16 @@ class ModelLimits(_Strict):
 
 class ModelEntry(_Strict):
     """A model a provider serves: its features (chat, completions, ... plus sub-features such as
-    tools or vision), its limits (absent: an unlimited pair) and the provider's own name for it."""
+    tools or vision), its limits (absent: an unlimited pair) and the provider's own name for it.
+    `max_in_flight_per_endpoint` (affinity `pick` only; absent: no cap): the requests of this
+    model one endpoint (replica) may carry at once, counted exactly over every proxy (the
+    engine's slots, or a multiple of them); placement skips an endpoint at its cap, inside the
+    pair's own limits, and a pair whose every endpoint is at its cap is full."""
 
     features: frozenset[str] = Field(min_length=1)
     limits: ModelLimits | None = None
     upstream_model: str | None = None
+    max_in_flight_per_endpoint: int | None = Field(default=None, ge=1)
 
 
 class Credentials(_Strict):
@@ -277,12 +282,38 @@ class ThirdPartyShare(_Strict):
     burst: int = Field(default=0, ge=0)
 
 
+class Placement(_Strict):
+    """How the router places a request inside a provider with affinity `pick` when the session
+    has no endpoint yet (a new session, a sessionless or offloaded request, or a pinned endpoint
+    at its cap): each endpoint under its cap scores
+    `prefix_weight x overlap - load_weight x in_flight`, the highest wins (docs/routing-state.md
+    "Endpoint placement"). `overlap` (0 to 1): the share of the prompt's leading blocks that the
+    endpoint served recently, from an approximate index per endpoint: the stable prompt prefix
+    (extproc.openai_api.request) cut into blocks of `block_chars` bytes, at most `max_blocks`
+    of them, each block's hash chained on the previous one's; the index keeps the latest
+    `index_blocks_per_endpoint` hashes an endpoint served (LRU), for `index_ttl_seconds` after
+    its last update. `in_flight`: the endpoint's exact count of running requests of the pair.
+    With the defaults a full prefix match is worth 2 requests in flight: a hot prefix stays on
+    the endpoint that holds it until that endpoint carries 2 more requests than another one,
+    then spreads (pure prefix affinity piles a hot prefix on one replica: SGLang #21199,
+    AIBrix #1178)."""
+
+    prefix_weight: float = Field(default=2.0, ge=0)
+    load_weight: float = Field(default=1.0, gt=0)
+    block_chars: int = Field(default=256, ge=16, le=65_536)
+    max_blocks: int = Field(default=32, ge=1, le=256)
+    index_blocks_per_endpoint: int = Field(default=4096, ge=1, le=1_000_000)
+    index_ttl_seconds: float = Field(default=3600.0, gt=0)
+
+
 class RoutingSettings(_Strict):
-    """Options of the routing algorithm beyond the spec (each off by default)."""
+    """Options of the routing algorithm beyond the spec (each off by default). `placement`:
+    the placement of requests inside providers with affinity `pick` (Placement)."""
 
     prefer_previous_provider: PreferPreviousProvider = PreferPreviousProvider()
     queue: AdmissionQueue = AdmissionQueue()
     third_party_share: ThirdPartyShare | None = None
+    placement: Placement = Placement()
 
 
 class TracingSettings(_Strict):
@@ -345,11 +376,17 @@ class Affinity(str, enum.Enum):
     cluster's consistent-hash load balancer (MAGLEV or RING_HASH), so each session stays on one
     replica and a replica that fails moves only its own sessions. `own_router` (a deployment with
     a router of its own: Dynamo, the llm-d endpoint picker, SGLang's or vLLM's router): the key
-    goes in the header that router reads (`router_session_header`). `none`: nothing is sent."""
+    goes in the header that router reads (`router_session_header`). `none`: nothing is sent.
+    `pick` (a managed pool whose `endpoints` the router knows): the router chooses the endpoint
+    of every request itself, in the admission's own Redis script (a session's pin records its
+    endpoint; new sessions and sessionless requests are placed by prefix overlap and load,
+    `routing.placement`), and tells Envoy in the endpoint-picker protocol's header
+    `x-gateway-destination-endpoint` (docs/operations.md "Real fleets")."""
 
     SESSION_HASH = "session_hash"
     OWN_ROUTER = "own_router"
     NONE = "none"
+    PICK = "pick"
 
 
 # The header each known router reads for session affinity (docs/operations.md "Real fleets"):
@@ -374,6 +411,8 @@ class Provider(_Strict):
     Envoy verifies an https endpoint's certificate chain against `tls_ca_file` (a PEM bundle
     on Envoy's host; default: the system's, /etc/ssl/certs/ca-certificates.crt) and its name
     against the endpoint's host, which it also sends as SNI.
+    With affinity `pick` each URL is one endpoint, known by its `ip:port` as Envoy knows it
+    (`pick_endpoints`: a host name is resolved once, when the config is loaded).
     `affinity` (default: `session_hash` for a managed provider, `none` for an unlimited one, which
     never receives a session key): see Affinity. `router_session_header`: with `own_router`, a
     preset (`dynamo`, `llm-d`, `sglang`, `vllm-router`) or the header's own name.
@@ -412,11 +451,16 @@ class Provider(_Strict):
             return self.affinity
         return Affinity.SESSION_HASH if self.kind is ProviderKind.MANAGED else Affinity.NONE
 
+    @property
+    def picks(self) -> bool:
+        """Whether the router picks this provider's endpoint (affinity `pick`)."""
+        return self.affinity is Affinity.PICK
+
     def session_header(self, affinity_header: str) -> str | None:
         """The header that carries the session key to this provider (`affinity_header`: the
         config's `server.affinity_header`), or None when none is sent."""
         mode = self.session_affinity
-        if mode is Affinity.SESSION_HASH:
+        if mode in (Affinity.SESSION_HASH, Affinity.PICK):  # pick: the hash is Envoy's fallback policy
             return affinity_header
         if mode is Affinity.OWN_ROUTER and self.router_session_header is not None:
             return ROUTER_SESSION_HEADERS.get(self.router_session_header, self.router_session_header)

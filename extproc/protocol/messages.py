@@ -36,6 +36,15 @@ METADATA_NAMESPACE = "iris.routing"
 """The dynamic metadata namespace of the router's answers (envoy/envoy.yaml accepts it in the
 ext_proc filter's metadata_options.receiving_namespaces and prints it in the access log)."""
 
+DESTINATION_ENDPOINT_HEADER = "x-gateway-destination-endpoint"
+"""The Gateway API Inference Extension's endpoint-picker protocol: the endpoints chosen for the
+request, `ip:port[,ip:port...]` (the first preferred, the next ones fallbacks), in this request
+header and under the same key in LB_METADATA_NAMESPACE; Envoy's override_host load-balancing
+policy reads either (extproc.config.envoy_render `_pick_policy`). A client's own copy is removed."""
+
+LB_METADATA_NAMESPACE = "envoy.lb"
+"""The dynamic metadata namespace of the endpoint-picker protocol's destination."""
+
 # The closed set of `code` values a client can get from the gateway itself: the router's answers
 # (extproc) and Envoy's local replies (envoy/envoy.yaml local_reply_config, the route's
 # direct_response). A provider's own error answers pass through as the provider wrote them.
@@ -174,6 +183,21 @@ def route_to_cluster(
     if remove:
         mutation.remove_headers.extend(remove)
     return with_metadata(response, metadata)
+
+
+def with_destination(response: ProcessingResponse, endpoints: tuple[str, ...]) -> ProcessingResponse:
+    """`response` (a request-body answer from `route_to_cluster`) naming `endpoints` (`ip:port`,
+    the chosen one first) as the endpoint-picker protocol does: the header
+    DESTINATION_ENDPOINT_HEADER and the same key in the LB_METADATA_NAMESPACE dynamic metadata.
+    Unchanged when `endpoints` is empty (Envoy's fallback policy chooses)."""
+    if endpoints:
+        value = ",".join(endpoints)
+        option = response.request_body.response.header_mutation.set_headers.add()
+        option.header.key, option.header.raw_value = DESTINATION_ENDPOINT_HEADER, value.encode()
+        option.append_action = _OVERWRITE  # never beside a copy a client slipped in
+        fields = response.dynamic_metadata.fields[LB_METADATA_NAMESPACE].struct_value.fields
+        fields[DESTINATION_ENDPOINT_HEADER].string_value = value
+    return response
 
 
 def _add_header(set_headers, key: str, value: str) -> None:

@@ -46,6 +46,7 @@ from extproc.protocol.lookups import REASON as LOOKUP_REASON
 from extproc.protocol.lookups import RENAMED_ACTIONS, RoutedLookup, refresh_looked_up, route_lookup
 from extproc.routing.lease_table import Held, LeaseTable, Refusal
 from extproc.routing.outage import RedisBreaker
+from extproc.routing.placement import deciding_with, prompt_blocks
 from extproc.routing.router import Decision, Rejection, RejectionKind, RoutingRequest
 from extproc.storage.client import REDIS_FAILURES, in_own_task
 
@@ -121,7 +122,7 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
         self.breaker = breaker
         self._chain_refreshes: set[asyncio.Task] = set()
         self._routing_header = live.config.server.routing_header  # restart-only: Envoy must agree
-        self._client_may_not_send = [self._routing_header, live.config.server.affinity_header]
+        self._client_may_not_send = [self._routing_header, live.config.server.affinity_header, msg.DESTINATION_ENDPOINT_HEADER]
 
     def apply(self, live: LiveConfig) -> None:
         """Take a new live config: streams whose body arrives from now on decide with it."""
@@ -246,7 +247,8 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
         span = None if self.tracer is None else self.tracer.start(stream.trace_headers, parsed.feature, parsed.model)
         started = time.perf_counter()
         try:
-            outcome = await self.leases.decide(routing_request, live.router, live.state)
+            with deciding_with(self._prompt_blocks(parsed, live)):
+                outcome = await self.leases.decide(routing_request, live.router, live.state)
         finally:
             decision_seconds = time.perf_counter() - started
             metrics.DECISION_SECONDS.observe(decision_seconds)
@@ -276,7 +278,17 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
         if span is not None:
             stream.span = span
             set_headers, remove = self._trace_context(span, decision, routing_request.session_id, decision_ms, set_headers, remove)
-        return msg.route_to_cluster(self._routing_header, change.cluster, set_headers, remove, change.body, metadata)
+        answer = msg.route_to_cluster(self._routing_header, change.cluster, set_headers, remove, change.body, metadata)
+        return msg.with_destination(answer, decision.lease.endpoints) if decision.lease is not None else answer
+
+    @staticmethod
+    def _prompt_blocks(parsed: ParsedRequest, live: LiveConfig) -> tuple[str, ...]:
+        """The prompt's chained block hashes, for placement on a provider with affinity pick
+        (extproc.routing.placement); () when no provider of the model picks."""
+        if not live.state.picks(parsed.model):
+            return ()
+        placement = live.config.routing.placement
+        return prompt_blocks(parsed.stable_prefix, placement.block_chars, placement.max_blocks)
 
     def _trace_refused(self, span, answer: ProcessingResponse, decision_ms: float) -> None:
         """End `span` with the status and error code of the router's own `answer`."""
@@ -385,6 +397,8 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
                 self.observer.observe(decision.provider, stream.model, stream.status)
             if self.config.server.expose_routing_headers:
                 extra |= {"x-iris-provider": decision.provider.name, "x-iris-route-reason": decision.reason.value}
+                if decision.lease is not None and decision.lease.endpoint is not None:  # affinity pick
+                    extra["x-iris-endpoint"] = decision.lease.endpoint
         elif stream.lookup is not None:
             await self._on_lookup_answer(stream)
             if self.config.server.expose_routing_headers:

@@ -30,6 +30,8 @@ from redis.exceptions import RedisError, ResponseError
 
 from extproc import metrics
 from extproc.config import Config, Provider, ProviderKind
+from extproc.config.endpoints import pick_endpoints
+from extproc.routing.placement import current_blocks
 from extproc.storage.client import LuaScript, RedisClient, connect  # noqa: F401 (connect: re-exported)
 from extproc.storage.keys import Keyspace
 from extproc.storage.pipelined import Packed, PipelinedRedis
@@ -104,7 +106,10 @@ class Pin:
 @dataclass(frozen=True, slots=True)
 class Lease:
     """A request lease (an in-flight slot) on a (provider, model) pair. `pin_id` is None for a
-    temporary lease. `deadline_ms`: Redis time (ms) after which it stops counting unless renewed."""
+    temporary lease. `deadline_ms`: Redis time (ms) after which it stops counting unless renewed.
+    `endpoints`: on a pair with affinity pick, the endpoints (`ip:port`) placement chose, the
+    lease's own first (it counts there), then the next best (the endpoint-picker protocol's
+    fallbacks); () elsewhere, or when the lease was granted without Redis."""
 
     model: str
     provider: str
@@ -112,6 +117,12 @@ class Lease:
     session_id: str | None
     pin_id: str | None
     deadline_ms: int
+    endpoints: tuple[str, ...] = ()
+
+    @property
+    def endpoint(self) -> str | None:
+        """The endpoint the lease counts on (affinity pick), else None."""
+        return self.endpoints[0] if self.endpoints else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,6 +190,9 @@ QUEUE_SCRIPTS = frozenset(
     {"get_pin_and_admit", "admit_unpinned", "admit_pinned", "cas_repin", "admit_without_pin", "release", "abandon", "queue_leave"}
 )
 
+
+# The scripts that place a request on an endpoint of a pick pair: they take the prompt's blocks.
+PLACING_SCRIPTS = frozenset({"get_pin_and_admit", "admit_unpinned", "admit_pinned", "cas_repin", "admit_without_pin"})
 
 # The scripts that may record a lease (the ones `redis.durable_admissions` waits on).
 ADMITTING_SCRIPTS = frozenset({"get_pin_and_admit", "admit_unpinned", "admit_pinned", "cas_repin", "admit_without_pin", "adopt"})
@@ -300,6 +314,10 @@ class RoutingState:
             if share is not None:
                 unlimited = ",".join(p.name for p in providers if p.kind is ProviderKind.UNLIMITED)
                 self._share_args[model] = [round(share.window_seconds * 1000), round(share.max_share * 1_000_000), share.burst, unlimited]
+        self._pick_keys: dict[str, list[str]] = {}
+        self._pick_args: dict[str, list[object]] = {}
+        for model in config.models():
+            self._pick_keys[model], self._pick_args[model] = self._pick_section(model)
         self._queue_keys: dict[str, list[str]] = {}
         self._queue_default: dict[str, QueueArgs] = {}
         queue = config.routing.queue
@@ -315,6 +333,30 @@ class RoutingState:
                     [c.name for c in queue.classes].index(default.name), default.use_reserved_slots, "", "", "none", default.max_depth
                 )
         self._segments = _Segments(self, packed=hot_path is not None and packed)
+
+    def _pick_section(self, model: str) -> tuple[list[str], list[object]]:
+        """The constant KEYS and ARGV of affinity pick for `model` (lua/lib.lua read_pick): per
+        pick pair its endpoints' lease and prefix-index keys; its name, cap per endpoint, the
+        endpoints; then the placement's settings. ([], ["0"]) without a pick pair."""
+        keys: list[str] = []
+        args: list[object] = [0]
+        for provider in self.config.providers_for(model):
+            if not provider.picks:
+                continue
+            endpoints = pick_endpoints(provider.endpoints)
+            keys += [self.keys.endpoint_leases(model, provider.name, e) for e in endpoints]
+            keys += [self.keys.endpoint_prefixes(model, provider.name, e) for e in endpoints]
+            args += [provider.name, _limit(provider.models[model].max_in_flight_per_endpoint), len(endpoints), *endpoints]
+            args[0] += 1
+        if args[0]:
+            placement = self.config.routing.placement
+            args += [placement.prefix_weight, placement.load_weight, placement.index_blocks_per_endpoint,
+                     round(placement.index_ttl_seconds * 1000)]
+        return keys, args
+
+    def picks(self, model: str) -> bool:
+        """Whether some provider of `model` has affinity pick (its admissions place on endpoints)."""
+        return bool(self._pick_keys.get(model))
 
     def queue_enabled(self, model: str) -> bool:
         """Whether the admission queue is on for `model` (some class may wait: docs/queue.md)."""
@@ -360,11 +402,11 @@ class RoutingState:
         THIRD_PARTY_SHARE_REACHED. None, or the option off: no share is checked."""
         args = [lease_id or new_id(), pin_id or new_id(), *eligible]
         reply = await self._call("get_pin_and_admit", model, session_id, args, now_ms, queue=queue, share=share)
-        pinned_branch = _text(reply[8]) == "pinned"
-        admission = _decode(model, session_id, reply[:8], None if pinned_branch else (eligible or [None])[0])
+        pinned_branch = _text(reply[9]) == "pinned"
+        admission = _decode(model, session_id, reply[:9], None if pinned_branch else (eligible or [None])[0])
         pin = None
         if pinned_branch:  # the pin as get_pin saw it, before the admission extended its expiry
-            pin = Pin(_text(reply[11]), _text(reply[12]), int(reply[9]), int(reply[10]))
+            pin = Pin(_text(reply[12]), _text(reply[13]), int(reply[10]), int(reply[11]))
         if admission.result in (Result.PINNED, Result.NOT_PINNED):
             return pin, None
         return pin, admission
@@ -439,7 +481,7 @@ class RoutingState:
     async def adopt_request_lease(self, lease: Lease, *, now_ms: int | None = None) -> Admission:
         """Record a temporary lease granted while Redis was unreachable, without a capacity check
         (its request already runs): from now on it counts, renews and releases like any lease."""
-        reply = await self._call("adopt", lease.model, "", [lease.provider, lease.id], now_ms)
+        reply = await self._call("adopt", lease.model, "", [lease.provider, lease.id, lease.endpoint or ""], now_ms)
         return _decode(lease.model, None, reply, lease.provider)
 
     async def renew_request_lease(self, lease: Lease, *, now_ms: int | None = None) -> LeaseUpdate:
@@ -569,11 +611,17 @@ class RoutingState:
                 keys += segments.queue_keys[model]
                 queue_section = self._queue_section(model, queue or self._queue_default[model])
             constants = segments.model_args_share[model] if shared else segments.model_args[model]
-            args = ["" if now_ms is None else now_ms, *constants, *queue_section, epoch_flag, *op_args]
+            blocks = current_blocks() if script in PLACING_SCRIPTS and self._pick_keys[model] else ()
+            args = [
+                "" if now_ms is None else now_ms, *constants, *queue_section, epoch_flag,
+                *segments.pick_args[model], len(blocks), *blocks, *op_args,
+            ]
         else:
-            args = ["" if now_ms is None else now_ms, *segments.without_providers, epoch_flag]
+            args = ["" if now_ms is None else now_ms, *segments.without_providers, epoch_flag, 0, 0]
         if seen is not None:
             keys.append(self._epoch_key)
+        if with_providers:
+            keys += segments.pick_keys[model]
         keys += extra_keys
         reply = await self._run(script, model, keys, args)
         if seen is not None:
@@ -627,6 +675,7 @@ class RoutingState:
 class _Segments:
     """The constant parts of a script call, per model, as they go into its keys and arguments:
     lists of the values, or (`packed`) one Packed segment each, encoded once for every call.
+    `pick_keys` / `pick_args`: affinity pick's constant keys and arguments (RoutingState._pick_section);
     `model_keys`: the providers' pins and leases keys; `model_args`: timings, provider count and
     limits, then the share section off; `model_args_share`: the same with the share section of
     routing.third_party_share (models it applies to); `queue_keys`: the admission queue's keys
@@ -639,6 +688,8 @@ class _Segments:
         self.model_args = {m: segment([*args, *SHARE_OFF]) for m, args in state._model_args.items()}
         self.model_args_share = {m: segment([*state._model_args[m], *share]) for m, share in state._share_args.items()}
         self.queue_keys = {m: segment(keys) for m, keys in state._queue_keys.items()}
+        self.pick_keys = {m: segment(keys) if keys else [] for m, keys in state._pick_keys.items()}
+        self.pick_args = {m: segment(args) for m, args in state._pick_args.items()}
         self.without_providers = segment([*state._timing, 0, *SHARE_OFF, "0"])
 
 
@@ -693,7 +744,7 @@ def _decode(model: str, session_id: str | None, reply: list, lease_provider: str
     """`lease_provider`: the pair the admission targets (None: the pin's, for admit_pinned). A
     repeated admission answers with the session's current pin, which may be on another provider
     than the lease it replays, so the lease's provider never comes from the pin otherwise."""
-    result, now, provider, pin_id, deadline, expiry, lease_id, lease_deadline = reply
+    result, now, provider, pin_id, deadline, expiry, lease_id, lease_deadline, endpoints = reply
     pin = None
     if provider not in (b"", ""):
         pin = Pin(_text(provider), _text(pin_id), int(deadline), int(expiry))
@@ -707,5 +758,6 @@ def _decode(model: str, session_id: str | None, reply: list, lease_provider: str
             session_id=session_id if pin else None,
             pin_id=pin.id if pin else None,
             deadline_ms=int(lease_deadline),
+            endpoints=tuple(_text(endpoints).split(",")) if endpoints not in (b"", "") else (),
         )
     return Admission(result, pin, lease, int(now))

@@ -78,6 +78,19 @@ class Keyspace:
     def queue_wake(self, model: str) -> str:
         """The pub/sub channel on which scripts name the tickets that may take a freed slot."""
         return f"{self.tag(model)}:queue-wake"
+    # Affinity `pick` (docs/routing-state.md "Endpoint placement"): per endpoint of a pair,
+    # `endpoint` its `ip:port` (extproc.config.endpoints).
+
+    def endpoint_leases(self, model: str, provider: str, endpoint: str) -> str:
+        """The pair's leases running on one endpoint (zset: lease id -> lease deadline, Redis
+        time ms), a subset of the pair's leases: the endpoint's exact in-flight count."""
+        return f"{self.tag(model)}:endpoint-leases:{provider}:{endpoint}"
+
+    def endpoint_prefixes(self, model: str, provider: str, endpoint: str) -> str:
+        """The approximate prefix index of one endpoint (zset: chained block hash -> when the
+        endpoint last served it, Redis time ms), trimmed to the latest ones."""
+        return f"{self.tag(model)}:endpoint-prefixes:{provider}:{endpoint}"
+
     def share_admissions(self, model: str, identity_key: str) -> str:
         """routing.third_party_share: an identity's admissions of `model` in the window (zset:
         lease id -> Redis time, ms); `identity_key` is a keyed hash of the identity."""

@@ -26,6 +26,7 @@ for _, p in pairs(ctx.by_name) do
   end
   redis.call('ZADD', p.leases_key, ctx.now, lease_id)
   extend_ttl(p.leases_key, ctx.lease_timeout + ctx.grace)
+  forget_endpoint_lease(p, lease_id)
   forget_earlier(ctx, p, lease_id)
 end
 redis.call('ZREM', ctx.session_leases_key, lease_id)

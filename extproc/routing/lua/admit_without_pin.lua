@@ -12,6 +12,7 @@ if replay then
   return replay
 end
 tidy_provider(ctx, p)
+ctx.lease_id = lease_id
 local result = capacity_result(ctx, p, nil, false, false)
 if result ~= 'ADMITTED' then
   return reply(ctx, result, nil)
@@ -19,4 +20,5 @@ end
 if not share_admits(ctx, p, lease_id) then
   return reply(ctx, 'THIRD_PARTY_SHARE_REACHED', nil)
 end
-return reply(ctx, 'ADMITTED', nil, lease_id, add_lease(ctx, p, lease_id))
+local deadline = add_lease(ctx, p, lease_id)
+return reply(ctx, 'ADMITTED', nil, lease_id, deadline)

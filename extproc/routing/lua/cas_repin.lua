@@ -23,6 +23,7 @@ if pin.provider == target.name then
   return reply(ctx, 'ALREADY_PINNED', pin)
 end
 tidy_provider(ctx, target)
+ctx.lease_id = lease_id
 local result = capacity_result(ctx, target, earlier_in_flight(ctx, target), false, true)
 if result ~= 'ADMITTED' then
   return reply(ctx, result, pin)

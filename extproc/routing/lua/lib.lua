@@ -20,6 +20,9 @@
 --       With the queue on, KEYS go on after the providers' keys (and the share's two) with the
 --       queue's (lua/queue.lua); with the epoch flag "1", the epoch key `{prefix}:epoch` comes
 --       next (only where Redis has no hash slots: standalone or Sentinel), before the script's own.
+--       After the epoch flag, the section of affinity `pick` (read_pick): ARGV and KEYS of the
+--       pairs whose endpoint the router picks, then the request's prompt blocks; KEYS after the
+--       epoch key.
 --
 -- A pin is live while its expiry is in the future; expiry = max(inactivity deadline, deadline of
 -- every lease on the pin), so a live lease keeps its pin alive and counts never include the dead.
@@ -60,6 +63,46 @@ local function read_share(n)
   return share
 end
 
+-- Affinity `pick` (docs/routing-state.md "Endpoint placement"): the pairs of the model whose
+-- endpoint the router picks. ARGV from `at`: m, the number of such pairs, then per pair: provider
+-- name, max in flight per endpoint (-1: no cap), E, then the E endpoints (`ip:port`); when m > 0,
+-- the placement's prefix weight, load weight, index size per endpoint and index TTL ms; then the
+-- request's prompt blocks: k, then k chained block hashes (k = 0: none, or a call that places
+-- nothing). KEYS from `keys_at`: per pair, its E endpoints' lease zsets (lease id -> deadline ms)
+-- then their E prefix indexes (block hash -> last served ms). Sets p.pick on each pair and
+-- ctx.placement, ctx.blocks; returns the position of the first op argument.
+local function read_pick(ctx, at, keys_at)
+  local m = tonumber(ARGV[at])
+  at = at + 1
+  for _ = 1, m do
+    local e = tonumber(ARGV[at + 2])
+    local pick = {cap = tonumber(ARGV[at + 1]), endpoints = {}, index = {}, leases = {}, prefixes = {}}
+    for j = 1, e do
+      pick.endpoints[j] = ARGV[at + 2 + j]
+      pick.index[ARGV[at + 2 + j]] = j
+      pick.leases[j] = KEYS[keys_at + j - 1]
+      pick.prefixes[j] = KEYS[keys_at + e + j - 1]
+    end
+    local p = ctx.by_name[ARGV[at]]
+    if p then
+      p.pick = pick
+    end
+    at = at + 3 + e
+    keys_at = keys_at + 2 * e
+  end
+  if m > 0 then
+    ctx.placement = {prefix_weight = tonumber(ARGV[at]), load_weight = tonumber(ARGV[at + 1]),
+      index_size = tonumber(ARGV[at + 2]), index_ttl = tonumber(ARGV[at + 3])}
+    at = at + 4
+  end
+  local k = tonumber(ARGV[at])
+  ctx.blocks = {}
+  for i = 1, k do
+    ctx.blocks[i] = ARGV[at + i]
+  end
+  return at + 1 + k
+end
+
 local function read_context()
   local ctx = {
     now = tonumber(ARGV[1]) or redis_now_ms(),
@@ -85,11 +128,14 @@ local function read_context()
     }
   end
   ctx.share = read_share(n)
-  ctx.args_at = queue_section(ctx, 10 + n * 5, n, 4 + 2 * n + (ctx.share and 2 or 0))
+  local keys_at = 4 + 2 * n + (ctx.share and 2 or 0)
+  ctx.args_at = queue_section(ctx, 10 + n * 5, n, keys_at)
+  keys_at = keys_at + (ctx.queue and 3 + 2 * n or 0)
   if ARGV[ctx.args_at] == '1' then
-    epoch_key = KEYS[4 + 2 * n + (ctx.share and 2 or 0) + (ctx.queue and 3 + 2 * n or 0)]
+    epoch_key = KEYS[keys_at]
+    keys_at = keys_at + 1
   end
-  ctx.args_at = ctx.args_at + 1
+  ctx.args_at = read_pick(ctx, ctx.args_at + 1, keys_at)
   return ctx
 end
 
@@ -125,12 +171,15 @@ local function tidy_provider(ctx, p)
   drop_expired(p.pins_key, ctx.now)
 end
 
+-- A pin records its endpoint (`endpoint`, an `ip:port`) on a pair with affinity pick; the field
+-- is read and written only there (a stale one on another pair is never read: a new pin on a pick
+-- pair is always placed, admit_lease).
 local function read_pin(ctx)
-  local f = redis.call('HMGET', ctx.pin_key, 'provider', 'id', 'deadline', 'expiry')
+  local f = redis.call('HMGET', ctx.pin_key, 'provider', 'id', 'deadline', 'expiry', 'endpoint')
   if not f[1] then
     return nil
   end
-  local pin = {provider = f[1], id = f[2], deadline = tonumber(f[3]), expiry = tonumber(f[4])}
+  local pin = {provider = f[1], id = f[2], deadline = tonumber(f[3]), expiry = tonumber(f[4]), endpoint = f[5] or nil}
   if pin.expiry <= ctx.now then
     return nil
   end
@@ -147,8 +196,13 @@ end
 
 local function save_pin(ctx, p, pin)
   local ttl = pin.expiry - ctx.now + ctx.grace
-  redis.call('HSET', ctx.pin_key, 'provider', pin.provider, 'id', pin.id,
-    'deadline', pin.deadline, 'expiry', pin.expiry)
+  if pin.endpoint and p.pick then
+    redis.call('HSET', ctx.pin_key, 'provider', pin.provider, 'id', pin.id,
+      'deadline', pin.deadline, 'expiry', pin.expiry, 'endpoint', pin.endpoint)
+  else
+    redis.call('HSET', ctx.pin_key, 'provider', pin.provider, 'id', pin.id,
+      'deadline', pin.deadline, 'expiry', pin.expiry)
+  end
   redis.call('PEXPIRE', ctx.pin_key, ttl)
   redis.call('PEXPIRE', ctx.session_leases_key, ttl)  -- a no-op while the session holds no lease
   redis.call('ZADD', p.pins_key, pin.expiry, pin.id)
@@ -218,15 +272,163 @@ local function latest_session_lease_deadline(ctx)
   return tonumber(top[2]) or 0
 end
 
+-- Placement on a pick pair (docs/routing-state.md "Endpoint placement").
+
+-- How many of the request's leading prompt blocks endpoint j of `pick` served recently: the
+-- blocks' hashes are chained (block i's hash covers blocks 1..i), so the index holding block i
+-- means it held the blocks before it, and a binary search finds the longest run: O(log k) reads.
+local function prefix_overlap(ctx, pick, j)
+  local lo, hi = 0, #ctx.blocks
+  while lo < hi do
+    local mid = math.floor((lo + hi + 1) / 2)
+    if redis.call('ZSCORE', pick.prefixes[j], ctx.blocks[mid]) then
+      lo = mid
+    else
+      hi = mid - 1
+    end
+  end
+  return lo
+end
+
+-- Pair p's endpoints under their cap, best first (a list of endpoint indexes; empty when every
+-- endpoint is at its cap). `sticky` (an index or nil): the session's pinned endpoint, first while
+-- under its cap; the fallbacks after it are then ranked by load alone (the common path of a
+-- pinned turn reads no prefix index). Otherwise by placement score (prefix weight x overlap
+-- share - load weight x in-flight count), then fewer in flight, then a rotation by the lease id,
+-- so that equal endpoints share new work instead of the first one taking it all.
+local function rank_endpoints(ctx, p, sticky, lease_id)
+  local pick, placement = p.pick, ctx.placement
+  local k = #ctx.blocks
+  if sticky and (pick.cap == NO_LIMIT or live_count(pick.leases[sticky], ctx.now) < pick.cap) then
+    k = 0
+  end
+  local rotate = tonumber(string.sub(lease_id or '', 1, 6), 16) or 0
+  local e = #pick.endpoints
+  local ranked = {}
+  for j = 1, e do
+    local n = live_count(pick.leases[j], ctx.now)
+    if pick.cap == NO_LIMIT or n < pick.cap then
+      local overlap = 0
+      if k > 0 and placement.prefix_weight > 0 then
+        overlap = prefix_overlap(ctx, pick, j) / k
+      end
+      table.insert(ranked, {j = j, n = n, turn = (j + rotate) % e,
+        first = (j == sticky) and 1 or 0, score = placement.prefix_weight * overlap - placement.load_weight * n})
+    end
+  end
+  table.sort(ranked, function(a, b)
+    if a.first ~= b.first then return a.first > b.first end
+    if a.score ~= b.score then return a.score > b.score end
+    if a.n ~= b.n then return a.n < b.n end
+    return a.turn < b.turn
+  end)
+  local order = {}
+  for i, r in ipairs(ranked) do
+    order[i] = r.j
+  end
+  return order
+end
+
+-- The placement of an admission on pick pair p, kept in ctx.placed for admit_lease: the spec's
+-- capacity rules passed, and some endpoint is under its cap (false: every one is at its cap).
+local function place(ctx, p, lease_id)
+  local order = rank_endpoints(ctx, p, ctx.sticky and p.pick.index[ctx.sticky], lease_id)
+  if #order == 0 then
+    return false
+  end
+  ctx.placed = order
+  return true
+end
+
+-- The admitted lease joins its endpoint's leases (the endpoint's count), and the endpoint's
+-- prefix index learns the request's blocks (LRU: scored by time, trimmed to the index size).
+-- Sets ctx.endpoints (the answer's `ip:port` list, chosen first, then the next best). Returns the
+-- chosen endpoint.
+local function record_placement(ctx, p, lease_id, deadline)
+  local pick = p.pick
+  local j = ctx.placed[1]
+  redis.call('ZADD', pick.leases[j], deadline, lease_id)
+  extend_ttl(pick.leases[j], ctx.lease_timeout + ctx.grace)
+  drop_expired(pick.leases[j], ctx.now - ctx.lease_timeout)
+  local k = #ctx.blocks
+  local index = pick.prefixes[j]
+  -- Already known and touched within the last sixteenth of the index TTL: nothing to learn (a
+  -- session's later turns repeat its prefix), one read instead of a write of k members.
+  local seen = k > 0 and redis.call('ZSCORE', index, ctx.blocks[k])
+  if seen and tonumber(seen) > ctx.now - ctx.placement.index_ttl / 16 then
+    k = 0
+  end
+  if k > 0 then
+    local members = {}
+    for i = 1, k do
+      members[2 * i - 1] = ctx.now
+      members[2 * i] = ctx.blocks[i]
+    end
+    redis.call('ZADD', index, unpack(members))
+    local over = redis.call('ZCARD', index) - ctx.placement.index_size
+    if over > 0 then
+      redis.call('ZREMRANGEBYRANK', index, 0, over - 1)
+    end
+    redis.call('PEXPIRE', index, ctx.placement.index_ttl)
+  end
+  local names = {}
+  for i, o in ipairs(ctx.placed) do
+    names[i] = pick.endpoints[o]
+  end
+  ctx.endpoints = table.concat(names, ',')
+  return pick.endpoints[j]
+end
+
+-- A lease of pick pair p leaves its endpoint's count (release, abandon): it is in at most one
+-- endpoint's leases, and removing it from the others changes nothing, so no record of which is
+-- needed. O(E log n).
+local function forget_endpoint_lease(p, lease_id)
+  if p.pick then
+    for _, key in ipairs(p.pick.leases) do
+      redis.call('ZREM', key, lease_id)
+    end
+  end
+end
+
+-- A renewal moves the lease's deadline on its endpoint too (XX: only where it is).
+local function renew_endpoint_lease(ctx, p, lease_id, deadline)
+  if p.pick then
+    for _, key in ipairs(p.pick.leases) do
+      if redis.call('ZADD', key, 'XX', 'CH', deadline, lease_id) > 0 then
+        extend_ttl(key, ctx.lease_timeout + ctx.grace)
+      end
+    end
+  end
+end
+
+-- The endpoint a recorded lease of pick pair p runs on, or nil.
+local function lease_endpoint(p, lease_id)
+  if p.pick then
+    for j, key in ipairs(p.pick.leases) do
+      if redis.call('ZSCORE', key, lease_id) then
+        return p.pick.endpoints[j]
+      end
+    end
+  end
+  return nil
+end
+
+-- Returns the lease's deadline and, on a pick pair, the endpoint placement chose.
 local function add_lease(ctx, p, lease_id)
   local deadline = ctx.now + ctx.lease_timeout
   redis.call('ZADD', p.leases_key, deadline, lease_id)
   extend_ttl(p.leases_key, ctx.lease_timeout + ctx.grace)
-  return deadline
+  if p.pick and ctx.placed then
+    return deadline, record_placement(ctx, p, lease_id, deadline)
+  end
+  return deadline, nil
 end
 
 local function add_pinned_lease(ctx, p, pin, lease_id)
-  local deadline = add_lease(ctx, p, lease_id)
+  local deadline, endpoint = add_lease(ctx, p, lease_id)
+  if endpoint then
+    pin.endpoint = endpoint
+  end
   redis.call('ZADD', ctx.session_leases_key, deadline, lease_id)
   pin.expiry = math.max(pin.expiry, deadline)
   save_pin(ctx, p, pin)
@@ -259,6 +461,11 @@ local function spec_capacity_result(ctx, p, session_in_flight, may_use_reserved,
       return 'UNRESERVED_IN_FLIGHT_REQUEST_LIMIT_REACHED'
     end
   end
+  -- Affinity pick: inside the pair's limits, some endpoint must be under its cap; a pair whose
+  -- every endpoint is at its cap is as full as at its global limit.
+  if p.pick and not place(ctx, p, ctx.lease_id) then
+    return 'GLOBAL_IN_FLIGHT_REQUEST_LIMIT_REACHED'
+  end
   return 'ADMITTED'
 end
 
@@ -279,12 +486,18 @@ end
 
 -- Reply: {result, now, pin provider, pin id, pin deadline, pin expiry, lease id, lease deadline};
 -- "" where there is no pin or no lease.
+-- A ninth element: the endpoints of an admission on a pick pair (`ip:port,...`, the chosen one
+-- first, then the next best: the endpoint-picker protocol's fallbacks), else "".
 local function reply(ctx, result, pin, lease_id, lease_deadline)
+  local endpoints = ''
+  if result == 'ADMITTED' then
+    endpoints = ctx.endpoints or ''
+  end
   if pin then
     return {result, ctx.now, pin.provider, pin.id, pin.deadline, pin.expiry,
-      lease_id or '', lease_deadline or ''}
+      lease_id or '', lease_deadline or '', endpoints}
   end
-  return {result, ctx.now, '', '', '', '', lease_id or '', lease_deadline or ''}
+  return {result, ctx.now, '', '', '', '', lease_id or '', lease_deadline or '', endpoints}
 end
 
 -- routing.third_party_share: whether the identity may be admitted on pair p; the admission is
@@ -326,12 +539,14 @@ local function replayed_admission(ctx, p, lease_id)
   if score <= ctx.now then
     return reply(ctx, 'LEASE_EXPIRED', nil, lease_id, score)
   end
+  ctx.endpoints = lease_endpoint(p, lease_id)
   return reply(ctx, 'ADMITTED', read_pin(ctx), lease_id, score)
 end
 
 -- The body of try_admit_unpinned_session_request once the session is known to have no live pin.
 local function admit_new_pin(ctx, p, lease_id, pin_id)
   tidy_provider(ctx, p)
+  ctx.lease_id = lease_id
   local result = capacity_result(ctx, p, earlier_in_flight(ctx, p), false, true)
   if result ~= 'ADMITTED' then
     return reply(ctx, result, nil)
@@ -346,6 +561,8 @@ end
 -- The body of try_admit_pinned_session_request once the live pin and its provider are known.
 local function admit_on_pin(ctx, p, pin, lease_id)
   tidy_provider(ctx, p)
+  ctx.sticky = pin.endpoint  -- affinity pick: the session's endpoint first while under its cap
+  ctx.lease_id = lease_id
   local session_in_flight = live_count(ctx.session_leases_key, ctx.now) + earlier_in_flight(ctx, p)
   local result = capacity_result(ctx, p, session_in_flight, true, false)
   if result ~= 'ADMITTED' then

@@ -16,6 +16,7 @@ local function release_one(ctx, p, lease_id, refresh)
     return reply(ctx, 'NOT_FOUND', nil, lease_id)
   end
   redis.call('ZREM', p.leases_key, lease_id)
+  forget_endpoint_lease(p, lease_id)
   forget_earlier(ctx, p, lease_id)
   if ctx.queue and score > ctx.now then
     queue_wake(ctx, p)  -- a slot is free: the queue's head may take it (lua/queue.lua)

@@ -16,6 +16,7 @@ local function renew_one(ctx, p, lease_id)
   local deadline = math.max(score, ctx.now + ctx.lease_timeout)
   redis.call('ZADD', p.leases_key, 'XX', deadline, lease_id)
   extend_ttl(p.leases_key, ctx.lease_timeout + ctx.grace)
+  renew_endpoint_lease(ctx, p, lease_id, deadline)
   local pin = read_pin(ctx)
   if lease_on_pin(ctx, p, pin, lease_id) then
     redis.call('ZADD', ctx.session_leases_key, 'XX', deadline, lease_id)
