@@ -1,0 +1,81 @@
+"""Issue 29, the routing core: how the lease table settles a renewal's answer and an adoption,
+over a real Redis (faults made with CLIENT PAUSE WRITE, a changed epoch, ACLs).
+
+1. An adoption answered together with a renewal: the renewal was sent under the old epoch, the
+   adoption behind it on the same pipelined connection; Redis answers the renewal LEASE_LOST and
+   the adoption ADMITTED in one read. The renewal is judged by the lease's state when it was
+   sent: the adoption decides, and the request keeps running (before: 3 of 8 trials cancelled a
+   request whose lease Redis held live).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+from extproc.config import parse_config
+from extproc.routing.degraded import DegradedFlags
+from extproc.routing.lease_table import Held, LeaseTable
+from extproc.routing.outage import InstanceRegistry, OutagePolicy, RedisBreaker
+from extproc.routing.router import Router, RoutingRequest
+from extproc.routing.state import RoutingState
+from tests.support.configs import small_config_data
+
+
+def chat(session: str | None) -> RoutingRequest:
+    return RoutingRequest("m", "chat", frozenset(), session)
+
+
+def make_table(client, redis_url, hot_path, lease_timeout: float, **overrides) -> LeaseTable:
+    config = parse_config(small_config_data(redis_url, lease_timeout_seconds=lease_timeout, **overrides))
+    state = RoutingState(client, config, hot_path=hot_path)
+    router = Router(config, state, DegradedFlags(client, config))
+    registry = InstanceRegistry(client, config.redis.key_prefix)
+    table = LeaseTable(config, state, router, OutagePolicy(config, router, registry), RedisBreaker(client, 3))
+    table.start()
+    return table
+
+
+async def live(redis, table: LeaseTable, provider: str = "iris-1") -> int:
+    seconds, micros = await redis.time()
+    return await redis.zcount(table.state.keys.provider_leases("m", provider), f"({seconds * 1000 + micros // 1000}", "+inf")
+
+
+async def until(predicate, seconds: float = 5.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        await asyncio.sleep(0.005)
+    return False
+
+
+async def test_an_adoption_answered_with_a_renewal_keeps_the_request(redis_url, redis_client, hot_path):
+    fast = {"url": redis_url, "key_prefix": "t", "probe_interval_seconds": 0.05, "instance_heartbeat_seconds": 0.05,
+            "epoch_grace_seconds": 0.1}
+    table = make_table(redis_client, redis_url, hot_path, lease_timeout=30, redis=fast)  # no renewal of its own meanwhile
+    cancelled = 0
+    for trial in range(8):
+        await table.refresh_epoch()
+        assert await until(lambda: not table.rebuilding, 2)  # the last trial's epoch grace
+        held = await table.decide(chat(f"s{trial}"))
+        assert isinstance(held, Held)
+        # Redis loses its state and another instance writes the next epoch.
+        seconds, micros = await redis_client.time()
+        await redis_client.flushall()
+        await redis_client.set(table._epoch_key, f"{os.urandom(8).hex()}@{seconds * 1000 + micros // 1000}:lost")
+        await redis_client.execute_command("CLIENT", "PAUSE", 350, "WRITE")  # under the 5 s call deadline
+        held.renew_at = time.monotonic()
+        table._sweep()  # the renewal sweep sends this lease's renewal: it waits behind the pause
+        assert held.renewing
+        await table.refresh_epoch()  # the heartbeat sees the new epoch: the adoption goes behind the renewal
+        assert await until(lambda: held.adopting, 1)
+        assert await until(lambda: not held.renewing and not held.adopting, 5)
+        await asyncio.sleep(0.05)
+        cancelled += held.lost.is_set()
+        assert await live(redis_client, table) == 1  # Redis holds the lease live either way
+        table.end(held, succeeded=True)
+        await table.releases_settled()
+    assert cancelled == 0
+    await table.drain()
