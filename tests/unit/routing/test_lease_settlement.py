@@ -14,12 +14,16 @@ import asyncio
 import os
 import time
 
-from extproc.config import parse_config
+import pytest
+
+from extproc.config import RedisSettings, parse_config
 from extproc.routing.degraded import DegradedFlags
 from extproc.routing.lease_table import Held, LeaseTable
 from extproc.routing.outage import InstanceRegistry, OutagePolicy, RedisBreaker
 from extproc.routing.router import Router, RoutingRequest
 from extproc.routing.state import RoutingState
+from extproc.storage.client import REDIS_FAILURES
+from extproc.storage.pipelined import open_pipelined
 from tests.support.configs import small_config_data
 
 
@@ -79,3 +83,44 @@ async def test_an_adoption_answered_with_a_renewal_keeps_the_request(redis_url, 
         await table.releases_settled()
     assert cancelled == 0
     await table.drain()
+
+
+async def test_a_local_lease_whose_adoption_timed_out_but_landed_is_released_when_its_request_ended(redis_url, redis_client):
+    """Issue 29, suspected (confirmed): a local lease's adoption (the recovery's) times out on the
+    client while Redis holds it behind a write pause; its request ends meanwhile; the adoption
+    lands when Redis resumes. The lease is released once it lands (before: never, it counted
+    for a whole lease timeout)."""
+    from extproc.routing.router import Decision, Reason
+    from extproc.routing.state import Lease, new_id
+
+    hot_path = open_pipelined(RedisSettings(url=redis_url), timeout_seconds=0.2)
+    table = make_table(redis_client, redis_url, hot_path, lease_timeout=30)
+    await table.state.load_scripts()  # as at start: the adoption is one EVALSHA
+    await table.refresh_epoch()
+    table.breaker.trip(ConnectionError("outage"))
+    held = table._hold(Decision(table.config.provider("iris-1"), Reason.UNPINNED, Lease("m", "iris-1", new_id(), None, None, 0), None,
+                                refresh_pin_on_success=False), local=True, state=table.state)
+    await redis_client.execute_command("CLIENT", "PAUSE", 1000, "WRITE")
+    recovery = asyncio.create_task(table.recover())
+    assert await until(lambda: held.adopting, 1)
+    table.end(held, succeeded=True)  # the request ends while its adoption is on its way
+    with pytest.raises(REDIS_FAILURES):
+        await recovery  # timed out on the client: the adoption waits in Redis
+    await asyncio.sleep(1.0)  # Redis resumed: the adoption landed, then the release sent behind it
+    assert await _wait(lambda: _is(live(redis_client, table), 0), 3)
+    assert await redis_client.zscore(table.state.keys.provider_leases("m", "iris-1"), held.lease.id) is None  # released
+    await table.drain()
+    await hot_path.aclose()
+
+
+async def _is(awaitable, value) -> bool:
+    return (await awaitable) == value
+
+
+async def _wait(predicate, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if await predicate():
+            return True
+        await asyncio.sleep(0.01)
+    return False
