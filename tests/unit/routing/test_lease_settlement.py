@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from pathlib import Path
 
 import pytest
 
@@ -21,9 +22,10 @@ from extproc.routing.degraded import DegradedFlags
 from extproc.routing.lease_table import Held, LeaseTable
 from extproc.routing.outage import InstanceRegistry, OutagePolicy, RedisBreaker
 from extproc.routing.router import Router, RoutingRequest
-from extproc.routing.state import RoutingState
+from extproc.routing.state import RoutingState, connect
 from extproc.storage.client import REDIS_FAILURES
 from extproc.storage.pipelined import open_pipelined
+from irislab.processes import start_redis
 from tests.support.configs import small_config_data
 
 
@@ -124,3 +126,47 @@ async def _wait(predicate, seconds: float) -> bool:
             return True
         await asyncio.sleep(0.01)
     return False
+
+
+def faketime_env(offset_file) -> dict[str, str]:
+    """The environment that runs a process under libfaketime (the library the `libfaketime`
+    package bundles), its wall clock `offset_file`'s offset ("+60": 60 s ahead), read at every
+    call; its monotonic clock stays real. Skips the test when the package is missing."""
+    libfaketime = pytest.importorskip("libfaketime")
+    library = Path(libfaketime.__file__).parent / "vendor" / "libfaketime" / "src" / "libfaketime.so.1"
+    if not library.exists():
+        pytest.skip(f"libfaketime ships no {library}")
+    return {**os.environ, "LD_PRELOAD": str(library), "FAKETIME_TIMESTAMP_FILE": str(offset_file),
+            "FAKETIME_NO_CACHE": "1", "DONT_FAKE_MONOTONIC": "1"}
+
+
+async def test_a_forward_step_of_the_redis_clock_keeps_running_requests_within_the_limits(tmp_path):
+    """Issue 29, suspected (confirmed, and decided): the routing scripts take Redis's TIME, so a
+    forward step of the Redis host's clock larger than a lease's remaining time expires every
+    lease at once, under the same epoch. Each comes back at its next renewal through an adoption
+    within the pair's limits (none was taken here), so the running requests keep running (before:
+    every one was cancelled as lost)."""
+    offset = tmp_path / "offset"
+    offset.write_text("+0\n")
+    server = start_redis(tmp_path, env=faketime_env(offset))
+    url = f"redis://127.0.0.1:{server.port}/0"
+    client = connect(url, timeout_seconds=5)
+    try:
+        table = make_table(client, url, None, lease_timeout=3)
+        await table.refresh_epoch()
+        held = [await table.decide(chat(f"s{i}")) for i in range(3)]
+        assert all(isinstance(h, Held) and h.decision.provider.name in ("iris-1", "iris-2") for h in held)
+        before, _ = await client.time()
+        offset.write_text("+60\n")  # the host's clock steps a minute ahead: every lease expired in Redis
+        after, _ = await client.time()
+        assert after - before >= 60
+        await asyncio.sleep(2.5)  # every lease's next renewal has come (every third of 3 s)
+        assert not any(h.lost.is_set() for h in held)
+        assert await live(client, table, "iris-1") + await live(client, table, "iris-2") == 3
+        for h in held:
+            table.end(h, succeeded=True)
+        await table.drain()
+        assert await live(client, table, "iris-1") + await live(client, table, "iris-2") == 0
+    finally:
+        await client.aclose()
+        server.stop()
