@@ -25,7 +25,7 @@ from extproc.routing.router import Router, RoutingRequest
 from extproc.routing.state import RoutingState, connect
 from extproc.storage.client import REDIS_FAILURES
 from extproc.storage.pipelined import open_pipelined
-from irislab.processes import start_redis
+from irislab.processes import free_port, start_redis
 from tests.support.configs import small_config_data
 
 
@@ -170,3 +170,42 @@ async def test_a_forward_step_of_the_redis_clock_keeps_running_requests_within_t
     finally:
         await client.aclose()
         server.stop()
+
+
+async def test_an_abandonment_given_up_leaves_only_the_pin_any_admission_makes(redis_url, redis_client):
+    """Issue 29, suspected (ruled out as a leak, kept on purpose): an abandonment that cannot reach
+    Redis for a lease timeout is given up, and the pin its decision made stays. That pin is what
+    every admission of a new session makes (the spec's create_pin: an inactivity deadline, not
+    refreshed unless a request succeeds): it ends by that deadline like the pin of a session whose
+    only request failed, and its session's next request is admitted on it. Abandoning later could
+    end a pin the session has used since (its later admissions share the pin's id), so it is not
+    retried past the lease timeout. The lease itself expires by itself within the lease timeout."""
+    from extproc.routing.router import Ids
+
+    table = make_table(redis_client, redis_url, None, lease_timeout=0.3, pin_inactivity_timeout_seconds=1.5)
+    table.retry_seconds = 0.05
+    await table.refresh_epoch()
+    held = await table.decide(chat("s"))
+    assert isinstance(held, Held) and held.lease.pin_id is not None
+    table._forget(held)  # its answer never arrived: the table holds nothing, the abandonment goes
+    dead = RoutingState(connect(f"redis://127.0.0.1:{free_port()}/0", timeout_seconds=0.05), table.config)
+    table._abandon(chat("s"), Ids(held.lease.id, held.lease.pin_id), dead)  # as if Redis were unreachable
+    assert await _wait(lambda: _true(table.pending_abandonments == 0), 5)  # given up after the lease timeout
+    pin = await redis_client.hgetall(table.state.keys.pin("m", "s"))
+    assert pin[b"id"].decode() == held.lease.pin_id  # the pin stays: its deadline is its creation's
+    assert int(pin[b"expiry"]) == int(pin[b"deadline"])  # no lease holds it: the lease expired by itself
+    assert await _wait(lambda: _is(live(redis_client, table, held.decision.provider.name), 0), 1)  # it expires by itself
+    again = await table.decide(chat("s"))  # the session's next request is admitted on it
+    assert isinstance(again, Held) and again.lease.pin_id == held.lease.pin_id
+    table.end(again, succeeded=False)  # a failed request does not refresh it either
+    await table.releases_settled()
+    seconds, micros = await redis_client.time()
+    await asyncio.sleep(max(0.0, (int(pin[b"deadline"]) - (seconds * 1000 + micros // 1000)) / 1000) + 0.1)
+    seconds, micros = await redis_client.time()
+    pins = table.state.keys.provider_pins("m", held.decision.provider.name)
+    assert await redis_client.zcount(pins, f"({seconds * 1000 + micros // 1000}", "+inf") == 0  # ended by its inactivity deadline
+    await table.drain()
+
+
+async def _true(value: bool) -> bool:
+    return value
