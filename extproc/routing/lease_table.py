@@ -13,15 +13,18 @@ the releases of one loop turn in one script call per model), and reports it lost
 only when Redis saw it expire. docs/routing-state.md "Renewals and releases in batches".
 
 What a running request is promised (docs/routing-state.md "When Redis is gone"):
-- a renewal that cannot reach Redis keeps the request running; the lease is adopted
+- a renewal that cannot reach Redis keeps the request running; the lease is renewed or adopted
   (lua/adopt.lua) when Redis answers again;
 - a renewal that finds the lease missing because Redis lost its state (restart without
   persistence, flush, failover: the epoch key `{prefix}:epoch`, written when the state is first
-  used, changed or vanished since the lease was admitted) adopts it too; and when this process
-  sees the epoch change, it adopts every lease it holds at once;
-- only a lease Redis saw expire while its renewals reached Redis in time (same epoch, no failed
-  renewal since the last success, answered within a lease timeout of it) is lost: its request is
-  cancelled.
+  used, changed or vanished since the lease was admitted) adopts it without a capacity check;
+  and when this process sees the epoch change, it adopts every lease it holds at once;
+- a lease that expired in Redis under the same epoch (this process frozen or Redis stalled past
+  the lease timeout, Redis's clock stepped forward) had its slot free to others meanwhile: it
+  comes back only through an adoption within the pair's limits, and is otherwise lost: its
+  request is cancelled (issue 29, item 0);
+- a renewal is judged by the lease's state when it was sent: an adoption recorded or under way
+  since then decides the lease, not the renewal's answer (issue 29, item 1).
 
 Every decision learns the epoch with its admission and abandons what it admitted when the epoch
 changed, so nothing admitted on a Redis that lost its state is kept. Where Redis has no hash slots
@@ -40,8 +43,10 @@ local shares (unlimited pairs only; `fail_closed`: 503).
 
 During an outage (the breaker open) the outage policy (extproc.routing.outage) chooses a provider and the
 table holds a local lease for a pair with an in-flight limit. `recover` (called when the probe
-reaches Redis) adopts every lease held, closes the breaker so new decisions go to Redis, then
-adopts again until nothing local is left. `drain` releases everything still held.
+reaches Redis) adopts every lease held (the local ones without a capacity check, the Redis ones
+that expired meanwhile within their pair's limits, as above), closes the breaker so new
+decisions go to Redis, then adopts again until nothing local is left. `drain` releases
+everything still held.
 """
 
 from __future__ import annotations

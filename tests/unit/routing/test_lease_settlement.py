@@ -6,6 +6,10 @@ over a real Redis (faults made with CLIENT PAUSE WRITE, a changed epoch, ACLs).
    the adoption ADMITTED in one read. The renewal is judged by the lease's state when it was
    sent: the adoption decides, and the request keeps running (before: 3 of 8 trials cancelled a
    request whose lease Redis held live).
+The suspected faults of the same review, each confirmed or ruled out: a local lease whose
+adoption timed out on the client but landed (confirmed, fixed); a forward step of the Redis
+host's clock (confirmed, fixed by item 0's rule; a Redis under libfaketime); an abandonment given
+up after the lease timeout (ruled out: the pin it leaves is any admission's).
 """
 
 from __future__ import annotations
