@@ -187,9 +187,12 @@ def redis_server_binary() -> str:
     return str(embedded)
 
 
-def start_redis(log_dir: Path, port: int | None = None, extra_args: list[str] | None = None) -> ManagedProcess:
+def start_redis(
+    log_dir: Path, port: int | None = None, extra_args: list[str] | None = None, env: dict[str, str] | None = None
+) -> ManagedProcess:
     """Start a Redis without persistence on 127.0.0.1 (noeviction: an evicting policy would drop
-    leases and pins). `extra_args` go to redis-server as they are (for example `--requirepass`).
+    leases and pins). `extra_args` go to redis-server as they are (for example `--requirepass`);
+    `env`: its environment (None: this process's; for example libfaketime's, to step its clock).
     Returns once it accepts connections."""
     port = port or free_port()
     argv = [
@@ -202,7 +205,7 @@ def start_redis(log_dir: Path, port: int | None = None, extra_args: list[str] | 
         "--dir", str(log_dir),
         *(extra_args or []),
     ]
-    process = spawn(f"redis-{port}", argv, log_dir)
+    process = spawn(f"redis-{port}", argv, log_dir, env=env)
     process.port = port
     try:
         wait_for_port(port, process=process.popen)

@@ -13,15 +13,18 @@ the releases of one loop turn in one script call per model), and reports it lost
 only when Redis saw it expire. docs/routing-state.md "Renewals and releases in batches".
 
 What a running request is promised (docs/routing-state.md "When Redis is gone"):
-- a renewal that cannot reach Redis keeps the request running; the lease is adopted
+- a renewal that cannot reach Redis keeps the request running; the lease is renewed or adopted
   (lua/adopt.lua) when Redis answers again;
 - a renewal that finds the lease missing because Redis lost its state (restart without
   persistence, flush, failover: the epoch key `{prefix}:epoch`, written when the state is first
-  used, changed or vanished since the lease was admitted) adopts it too; and when this process
-  sees the epoch change, it adopts every lease it holds at once;
-- only a lease Redis saw expire while its renewals reached Redis in time (same epoch, no failed
-  renewal since the last success, answered within a lease timeout of it) is lost: its request is
-  cancelled.
+  used, changed or vanished since the lease was admitted) adopts it without a capacity check;
+  and when this process sees the epoch change, it adopts every lease it holds at once;
+- a lease that expired in Redis under the same epoch (this process frozen or Redis stalled past
+  the lease timeout, Redis's clock stepped forward) had its slot free to others meanwhile: it
+  comes back only through an adoption within the pair's limits, and is otherwise lost: its
+  request is cancelled (issue 29, item 0);
+- a renewal is judged by the lease's state when it was sent: an adoption recorded or under way
+  since then decides the lease, not the renewal's answer (issue 29, item 1).
 
 Every decision learns the epoch with its admission and abandons what it admitted when the epoch
 changed, so nothing admitted on a Redis that lost its state is kept. Where Redis has no hash slots
@@ -40,8 +43,10 @@ local shares (unlimited pairs only; `fail_closed`: 503).
 
 During an outage (the breaker open) the outage policy (extproc.routing.outage) chooses a provider and the
 table holds a local lease for a pair with an in-flight limit. `recover` (called when the probe
-reaches Redis) adopts every lease held, closes the breaker so new decisions go to Redis, then
-adopts again until nothing local is left. `drain` releases everything still held.
+reaches Redis) adopts every lease held (the local ones without a capacity check, the Redis ones
+that expired meanwhile within their pair's limits, as above), closes the breaker so new
+decisions go to Redis, then adopts again until nothing local is left. `drain` releases
+everything still held.
 """
 
 from __future__ import annotations
@@ -95,6 +100,7 @@ class Held:
     renew_at: float = math.inf  # monotonic s when its next renewal is due (the renewal sweep's)
     renewing: bool = False  # a renewal call of the sweep carries it now
     confirmed_at: float = field(default_factory=time.monotonic)  # monotonic s of the last renewal answered
+    adoptions: int = 0  # adoptions recorded in Redis: a renewal sent before the latest says nothing of the lease
 
     @property
     def lease(self) -> Lease | None:
@@ -105,6 +111,15 @@ class Held:
         self.lost.set()
         if self.on_lost is not None:
             self.on_lost()
+
+
+@dataclass(frozen=True, slots=True)
+class _RenewalSent:
+    """A lease's state when its renewal was sent: its adoptions recorded so far, and `at`
+    (monotonic s) the send time."""
+
+    adoptions: int
+    at: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -406,6 +421,7 @@ class LeaseTable:
         lease as `_renewed` says. A failed call is a failed renewal of every lease in it (the
         breaker counts the one call); nothing here raises but a cancellation."""
         renewed_at = time.monotonic()
+        sent = [_RenewalSent(held.adoptions, renewed_at) for held in batch]  # the leases' state as the call goes
         try:
             state = batch[0].state or self.state
             try:
@@ -415,7 +431,7 @@ class LeaseTable:
                 metrics.child(metrics.REDIS_ERRORS, "renew").inc()
                 self.breaker.record_failure(exc)
                 log.warning("lease renewal of %d leases failed, their requests keep running: %s", len(batch), exc)
-            await asyncio.gather(*(self._settle_renewal(held, update, renewed_at) for held, update in zip(batch, updates)))
+            await asyncio.gather(*(self._settle_renewal(held, update, at) for held, update, at in zip(batch, updates, sent)))
         except Exception:  # noqa: BLE001 (no renewal may stop: the leases would expire under running requests)
             log.exception("lease renewal failed unexpectedly, the requests keep running")
             for held in batch:
@@ -428,56 +444,48 @@ class LeaseTable:
             if any(not held.ended and not held.lost.is_set() for held in batch):
                 self._sweep_at(min(held.renew_at for held in batch))
 
-    async def _settle_renewal(self, held: Held, update: LeaseUpdate | Exception, renewed_at: float) -> None:
-        """What one lease's renewal answer means for it: lost (its request is cancelled) only
-        when `_renewed` says so. Never raises but a cancellation."""
+    async def _settle_renewal(self, held: Held, update: LeaseUpdate | Exception, sent: _RenewalSent) -> None:
+        """What one lease's renewal answer means for it (`_renewed`). Never raises but a
+        cancellation."""
         if held.ended:
             return  # its request ended meanwhile: the release takes it from here
         try:
-            if not await self._renewed(held, update, renewed_at):
-                held.mark_lost()
+            await self._renewed(held, update, sent)
         except Exception:  # noqa: BLE001 (no renewal may stop: the lease would expire under a running request)
             log.exception("lease renewal failed unexpectedly, the request keeps running")
             held.unconfirmed = True
 
-    async def _renewed(self, held: Held, update: LeaseUpdate | Exception, renewed_at: float) -> bool:
+    async def _renewed(self, held: Held, update: LeaseUpdate | Exception, sent: _RenewalSent) -> None:
         """One renewal's answer (`update`: its LeaseUpdate, or the Redis error its call met;
-        `renewed_at`: monotonic s when the call was sent). False only when the lease is lost:
-        Redis saw it expire (see the module docstring); a lease Redis lost, or one whose renewals
-        did not reach it in time (failed, or answered more than a lease timeout after the last
-        answered one), is adopted."""
+        `sent`: the lease's state when the call was sent), judged by that state: an adoption
+        recorded or under way since it was sent decides the lease, not this answer (issue 29,
+        item 1). A failed call keeps the request running. A lease Redis reports missing is
+        adopted (`_adopt`): without a capacity check when Redis lost its state (another epoch,
+        or none known); under the same epoch it expired in Redis (this process or Redis stalled
+        past the lease timeout, or Redis's clock stepped), its slot was free to others meanwhile,
+        and it comes back only within the pair's limits, else it is lost and its request
+        cancelled (issue 29, item 0). An epoch read or adoption that fails leaves the lease
+        undecided until its next renewal."""
+        since = held.adopting or held.adoptions != sent.adoptions
         if isinstance(update, Exception):
             if not isinstance(update, REDIS_FAILURES):
                 raise update
             metrics.child(metrics.LEASE_RENEWALS, "failed").inc()
-            held.unconfirmed = True
-            return True
+            held.unconfirmed = held.unconfirmed or not since
+            return
         if update.result is Result.RENEWED:
             metrics.child(metrics.LEASE_RENEWALS, "renewed").inc()
-            held.unconfirmed, held.confirmed_at = False, renewed_at
-            return True
-        # A renewal that reached Redis a whole lease timeout after the last one Redis answered (a
-        # Redis or a network stalled in between) did not reach it in time: like a failed one.
-        late = time.monotonic() - held.confirmed_at > self._lease_timeout(held)
-        if held.unconfirmed or late or await self._redis_lost_state(held):
-            metrics.child(metrics.LEASE_RENEWALS, "adopted").inc()
-            try:
-                await self._adopt(held)
-            except REDIS_FAILURES:
-                held.unconfirmed = True
-            return True
-        metrics.child(metrics.LEASE_RENEWALS, "lost").inc()
-        return False
-
-    async def _redis_lost_state(self, held: Held) -> bool:
-        """Whether the routing state's epoch differs from the one the lease was admitted under
-        (or either is unknown): Redis lost its state since."""
-        admitted_under = held.epoch
+            held.unconfirmed, held.confirmed_at = False, max(held.confirmed_at, sent.at)
+            return
+        if since:
+            return  # the adoption sent after this renewal records the lease (or reports it lost)
         try:
-            epoch = await self.refresh_epoch()
+            await self.refresh_epoch()  # a changed epoch: `_adopt` records the lease without a check
+            adopted = await self._adopt(held)
         except REDIS_FAILURES:
-            return True
-        return admitted_under is None or admitted_under != epoch
+            held.unconfirmed = True  # undecided: the next renewal asks again
+            return
+        metrics.child(metrics.LEASE_RENEWALS, "adopted" if adopted else "lost").inc()
 
     # ---- the epoch and adoption ---------------------------------------------------------
 
@@ -603,28 +611,47 @@ class LeaseTable:
                 return state
         return None
 
-    async def _adopt(self, held: Held) -> None:
+    async def _adopt(self, held: Held) -> bool:
+        """Record `held`'s lease in Redis (lua/adopt.lua). Without a capacity check when it is
+        local (granted during an outage) or was admitted under another epoch than the one known
+        now, or none (Redis lost its state: `rebuilding` keeps the pairs closed meanwhile);
+        otherwise a lease no longer live in Redis expired there, its slot was free to others, and
+        it comes back only within the pair's limits: when refused it is lost (its request is
+        cancelled). A request that ended while its adoption was on its way has the lease
+        released once the adoption landed or failed (it may have landed all the same). Returns
+        False when refused (the lease is then marked lost), else True. Raises RedisError (the
+        lease stays as it was)."""
         state = self._state_for(held)
         if state is None:  # nothing can count it: it runs uncounted, and blocks no recovery
             log.warning("lease on %s %s not adopted: no routing config serves the pair now", held.lease.provider, held.lease.model)
             self._forget(held)
-            return
+            return True
         held.state = state
         held.adopting = True
+        within_limits = not held.local and held.epoch is not None and held.epoch == self.epoch
         try:
-            await state.adopt_request_lease(held.lease)
+            adopted = await state.adopt_request_lease(held.lease, within_limits=within_limits)
         except BaseException:
-            if held.ended and not held.local:
+            if held.ended:  # the call may have landed all the same (a client timeout): release it
                 self._spawn_release(held, refresh=False)
             raise
         finally:
             held.adopting = False
+        held.adoptions += 1
+        if adopted.result is not Result.ADMITTED:
+            log.warning("lease %s on %s %s expired in Redis and its slot is taken (%s): its request is cancelled",
+                        held.lease.id, held.lease.provider, held.lease.model, adopted.result.value)
+            held.unconfirmed = False
+            if not held.ended:
+                held.mark_lost()
+            return False
         was_local, held.local = held.local, False
         held.unconfirmed, held.confirmed_at, held.epoch = False, time.monotonic(), self.epoch
         if held.ended:  # its request ended while the adoption was on its way
             self._spawn_release(held, refresh=False)
         elif was_local:
             metrics.LEASES_ADOPTED.inc()
+        return True
 
     async def recover(self) -> int:
         """Redis answers again: adopt every lease held (local ones, and Redis ones it may have

@@ -478,10 +478,17 @@ class RoutingState:
         reply = await self._call("admit_share", model, "", [provider, lease_id], now_ms, share=share)
         return Result(_text(reply[0]))
 
-    async def adopt_request_lease(self, lease: Lease, *, now_ms: int | None = None) -> Admission:
-        """Record a temporary lease granted while Redis was unreachable, without a capacity check
-        (its request already runs): from now on it counts, renews and releases like any lease."""
-        reply = await self._call("adopt", lease.model, "", [lease.provider, lease.id, lease.endpoint or ""], now_ms)
+    async def adopt_request_lease(self, lease: Lease, *, within_limits: bool = False, now_ms: int | None = None) -> Admission:
+        """Record a lease of a request that already runs (lua/adopt.lua): from now on it counts,
+        renews and releases like any lease. Without a capacity check (one granted while Redis was
+        unreachable, one Redis lost with its state); with `within_limits`, a lease no longer live
+        in Redis comes back only within the pair's limits (the global in-flight limit and its
+        session's own), else the answer is that limit's refusal and nothing is written. A live
+        lease is extended either way. On a pick pair it counts on `lease.endpoint` again (its cap part
+        of the limits)."""
+        session = (lease.session_id or "") if within_limits else ""
+        args = [lease.provider, lease.id, "1" if within_limits else "0", lease.endpoint or ""]
+        reply = await self._call("adopt", lease.model, session, args, now_ms)
         return _decode(lease.model, None, reply, lease.provider)
 
     async def renew_request_lease(self, lease: Lease, *, now_ms: int | None = None) -> LeaseUpdate:

@@ -77,6 +77,8 @@ def test_redis_restarted_empty_while_ten_streams_run(tmp_path):
 
 
 def test_a_lease_redis_saw_expire_is_still_lost(tmp_path):
+    """The lease expired in Redis (the epoch intact) and its pair's slots went to others meanwhile:
+    it cannot come back within the limit (issue 29, item 0), so its request is cancelled."""
     gateway = start_gateway(tmp_path, lease_timeout_seconds=LEASE_TIMEOUT, server={"expose_routing_headers": True})
     try:
         client = redis_client(gateway)
@@ -87,6 +89,8 @@ def test_a_lease_redis_saw_expire_is_still_lost(tmp_path):
         for key in client.keys("*:leases:*"):
             for member in client.zrange(key, 0, -1):
                 client.zadd(key, {member: seconds * 1000 - 1000}, xx=True)  # expired, the epoch intact
+                taken = {f"taken-{i}": seconds * 1000 + 60_000 for i in range(LIMITS["max_global_in_flight_request_slots"])}
+                client.zadd(key, taken)  # its slots went to others
         thread.join(timeout=60)
         status, done, error, _ = out["u"]
         assert not done  # cut short: the request was cancelled

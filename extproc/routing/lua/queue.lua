@@ -11,8 +11,9 @@
 -- queue state (hash), its finish tags (zset), then per provider (in ARGV order) its queue and its
 -- reserved queue (zsets: ticket id -> score).
 --
--- score = class rank x 2^50 + round x 2^20 + (arrival mod 2^20): strict priority between classes,
--- start-time fair queueing between tenants inside a class (round), arrival order inside a round.
+-- score = class rank x 2^50 + round x 2^20 + arrival (below 2^20, renumber_tickets): strict priority
+-- between classes, start-time fair queueing between tenants inside a class (round), arrival order
+-- inside a round.
 -- Queue state fields: "t:<ticket>" -> "<class>|<round>|<score>|<tenant>"; "v:<class>" -> the
 -- highest round served; "n:<class>|<tenant>" -> the tenant's live tickets; "seq" -> arrivals.
 -- Finish tags: "<class>|<tenant>" -> class x 2^50 + the round after the tenant's latest ticket.
@@ -20,6 +21,7 @@
 local QUEUE_CLASS_SPAN = 1125899906842624  -- 2^50
 local QUEUE_ROUND_SPAN = 1048576  -- 2^20
 local QUEUE_MAX_ROUND = 1073741823  -- 2^30 - 1: a round never reaches the next class
+local QUEUE_RENUMBER_ROUND = 536870912  -- 2^29: a class's rounds start again well before the cap
 local TICKET_PURGE_BATCH = 64
 local NOT_WAITED_FOR = {PIN_LIMIT_REACHED = true, PER_SESSION_IN_FLIGHT_REQUEST_LIMIT_REACHED = true}
 
@@ -172,16 +174,66 @@ local function own_ticket(ctx)
   return ticket_record(ctx, q.ticket)
 end
 
-local function new_ticket(ctx)
+-- After a long uptime (the queue's state never idled long enough to expire): when the arrival
+-- counter reaches 2^20 or a round of the class reaches 2^29, every waiting ticket is renumbered in
+-- its order (its class's rounds from the round last served, arrivals from 0), as are the finish
+-- tags of those classes, so neither the counter's wrap nor the round cap reorders anyone (issue
+-- 29). O(waiting tickets), once per 2^20 arrivals.
+local function renumber_tickets(ctx)
   local q = ctx.queue
-  local tenant = q.class .. '|' .. q.tenant
+  local tickets = {}
+  for _, id in ipairs(redis.call('ZRANGE', q.tickets_key, 0, -1)) do
+    tickets[#tickets + 1] = ticket_record(ctx, id)
+  end
+  table.sort(tickets, function(x, y) return tonumber(x.score) < tonumber(y.score) end)
+  local shifts = {}
+  local function shift_of(class)
+    if not shifts[class] then
+      shifts[class] = tonumber(redis.call('HGET', q.state_key, 'v:' .. class)) or 0
+      redis.call('HSET', q.state_key, 'v:' .. class, 0)
+      local base = class * QUEUE_CLASS_SPAN
+      local tags = redis.call('ZRANGEBYSCORE', q.finish_key, exact(base), '(' .. exact(base + QUEUE_CLASS_SPAN), 'WITHSCORES')
+      for i = 1, #tags, 2 do
+        redis.call('ZADD', q.finish_key, exact(base + math.max(0, tonumber(tags[i + 1]) - base - shifts[class])), tags[i])
+      end
+    end
+    return shifts[class]
+  end
+  shift_of(q.class)
+  for i, t in ipairs(tickets) do
+    local round = math.max(0, t.round - shift_of(t.class))
+    local score = exact(t.class * QUEUE_CLASS_SPAN + round * QUEUE_ROUND_SPAN + i - 1)
+    redis.call('HSET', q.state_key, 't:' .. t.id, t.class .. '|' .. exact(round) .. '|' .. score .. '|' .. t.tenant)
+    for _, p in ipairs(q.pairs) do
+      for _, key in ipairs({p.queue_key, p.reserved_queue_key}) do
+        redis.call('ZADD', key, 'XX', score, t.id)
+      end
+    end
+  end
+  redis.call('HSET', q.state_key, 'seq', #tickets)
+end
+
+local function fair_round(ctx, tenant)
+  local q = ctx.queue
   local round = tonumber(redis.call('HGET', q.state_key, 'v:' .. q.class)) or 0
   local finish = tonumber(redis.call('ZSCORE', q.finish_key, tenant))
   if finish then
     round = math.max(round, finish - q.class * QUEUE_CLASS_SPAN)
   end
+  return round
+end
+
+local function new_ticket(ctx)
+  local q = ctx.queue
+  local tenant = q.class .. '|' .. q.tenant
+  local round = fair_round(ctx, tenant)
+  local arrival = redis.call('HINCRBY', q.state_key, 'seq', 1)
+  if arrival >= QUEUE_ROUND_SPAN or round >= QUEUE_RENUMBER_ROUND then
+    renumber_tickets(ctx)
+    round = fair_round(ctx, tenant)
+    arrival = redis.call('HINCRBY', q.state_key, 'seq', 1)
+  end
   round = math.min(round, QUEUE_MAX_ROUND)
-  local arrival = redis.call('HINCRBY', q.state_key, 'seq', 1) % QUEUE_ROUND_SPAN
   local score = exact(q.class * QUEUE_CLASS_SPAN + round * QUEUE_ROUND_SPAN + arrival)
   redis.call('ZADD', q.finish_key, exact(q.class * QUEUE_CLASS_SPAN + round + 1), tenant)
   redis.call('HINCRBY', q.state_key, 'n:' .. tenant, 1)

@@ -181,11 +181,13 @@ async def test_n_leases_renew_in_one_call_per_sweep_and_a_lost_one_among_them_is
     cancelled = []
     lost.on_lost = lambda: cancelled.append(lost)
     seconds, _ = await redis_client.time()
-    await redis_client.zadd(table.state.keys.provider_leases("m", "iris-1"), {lost.lease.id: seconds * 1000 - 1000}, xx=True)
+    leases = table.state.keys.provider_leases("m", "iris-1")
+    await redis_client.zadd(leases, {lost.lease.id: seconds * 1000 - 1000}, xx=True)
+    await redis_client.zadd(leases, {f"taken-{i}": seconds * 1000 + 60_000 for i in range(100)})  # its slot went to others
     before, renewed_before = await evalsha_calls(redis_client), renewals("renewed")
     assert await wait_for(lambda: renewals("renewed") - renewed_before >= 7)
-    assert await evalsha_calls(redis_client) - before == 1  # 8 leases, one script call
     assert await wait_for(lost.lost.is_set) and cancelled == [lost]
+    assert await evalsha_calls(redis_client) - before == 2  # 8 leases, one script call; the lost one's adoption refused
     assert not any(h.lost.is_set() for h in helds if h is not lost)
     for held in helds:
         table.end(held, succeeded=True)

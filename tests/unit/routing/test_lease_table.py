@@ -65,15 +65,38 @@ async def test_renews_and_releases_once(redis_url, redis_client, hot_path):
     assert await redis_client.zcard(table.state.keys.provider_leases("m", "iris-1")) == 0
 
 
-async def test_a_lease_redis_saw_expire_is_lost(redis_url, redis_client, hot_path):
+async def test_a_lease_redis_saw_expire_whose_slot_was_taken_is_lost(redis_url, redis_client, hot_path):
+    """Issue 29, item 0: an expired lease comes back only within the pair's limit; here the 4
+    slots went to others while it was expired, so it is lost and its request cancelled."""
+    table = make_table(redis_client, redis_url, hot_path)
+    await table.refresh_epoch()
+    held = await table.decide(chat("s"))
+    seconds, _ = await redis_client.time()
+    leases = table.state.keys.provider_leases("m", "iris-1")
+    await redis_client.zadd(leases, {held.lease.id: seconds * 1000 - 1000}, xx=True)
+    await redis_client.zadd(leases, {f"other-{i}": seconds * 1000 + 60_000 for i in range(4)})  # the limit
+    await asyncio.wait_for(held.lost.wait(), timeout=5)
+    assert await live(redis_client, table) == 4  # the others', never the lost one beside them
+    table.end(held, succeeded=True)
+    await table.drain()
+
+
+async def test_a_lease_redis_saw_expire_comes_back_within_the_limit(redis_url, redis_client, hot_path):
+    """Issue 29, item 0: an expired lease whose pair still has room is admitted again (the
+    frozen process, the stalled Redis, the stepped clock: nobody took its slot) and its request
+    keeps running."""
     table = make_table(redis_client, redis_url, hot_path)
     await table.refresh_epoch()
     held = await table.decide(chat("s"))
     seconds, _ = await redis_client.time()
     await redis_client.zadd(table.state.keys.provider_leases("m", "iris-1"), {held.lease.id: seconds * 1000 - 1000}, xx=True)
-    await asyncio.wait_for(held.lost.wait(), timeout=5)
+    assert await wait_for(lambda: _is(live(redis_client, table), 1))
+    await asyncio.sleep(0.5)  # more renewals, now of the lease admitted again
+    assert not held.lost.is_set()
+    assert await live(redis_client, table) == 1
     table.end(held, succeeded=True)
     await table.drain()
+    assert await live(redis_client, table) == 0
 
 
 async def test_a_lease_redis_lost_is_adopted_and_its_request_keeps_running(redis_url, redis_client, hot_path):

@@ -242,3 +242,30 @@ async def test_concurrent_waiters_never_exceed_the_limit(qstate, redis_client):
         assert len(winners) == 1
         admitted += winners
     assert admitted == order
+
+
+async def test_fairness_holds_after_a_long_uptime(qstate, redis_client):
+    """Issue 29, suspected (confirmed): after about 2^30 tickets of a class without the queue ever
+    idling (its state never expired), rounds reached their cap and the arrival counter wrapped
+    (seq mod 2^20): tenants were served in arrival order, and a ticket arriving after the wrap
+    went ahead of those before it in its round. The waiting tickets are renumbered in their order
+    when the counter wraps or a round nears the cap: the order is a fresh queue's."""
+    await _fair_order_after(qstate, redis_client, round_served=2**30 - 3)
+
+
+async def test_fairness_holds_across_the_arrival_counters_wrap(qstate, redis_client):
+    await _fair_order_after(qstate, redis_client, round_served=5)
+
+
+async def _fair_order_after(qstate, redis_client, round_served: int) -> None:
+    """Tenants a (4 tickets) and b (2) queue once the class has served `round_served` rounds and
+    the arrival counter is 3 short of 2^20: the order is a fresh queue's."""
+    state_key = qstate.keys.queue_state("m")
+    await redis_client.hset(state_key, mapping={"v:1": round_served, "seq": 2**20 - 3})  # as after long uptime
+    await fill_unreserved(qstate)
+    for i in range(4):
+        assert await temporary(qstate, f"a{i}", T0 + i, args(f"a{i}", tenant="a", rank=BATCH)) is Result.QUEUED
+    for i in range(2):
+        assert await temporary(qstate, f"b{i}", T0 + 10 + i, args(f"b{i}", tenant="b", rank=BATCH)) is Result.QUEUED
+    assert await queue_order(qstate.redis, qstate) == ["a0", "b0", "a1", "b1", "a2", "a3"]
+    assert int(await redis_client.hget(state_key, "seq")) < 2**20
