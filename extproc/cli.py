@@ -24,6 +24,7 @@ import asyncio
 import logging
 import os
 import sys
+import textwrap
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -78,7 +79,12 @@ class EnvironmentDefaults(BaseSettings):
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """argparse's help, with `(default: X)` after every option that has a default (not after
-    required options, flags that are off, or help that states its default itself)."""
+    required options, flags that are off, or help that states its default itself). Lines wrap
+    between words only: a path, a URL or a hyphenated name (a default such as the config file's
+    path) stays whole on one line, so it can be copied from the help as it is."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return textwrap.wrap(" ".join(text.split()), width, break_long_words=False, break_on_hyphens=False)
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""

@@ -37,17 +37,26 @@ async def run_every(
     """Run `step()` every `interval_seconds` (seconds, from the start of one step to the start of
     the next; 0: back to back, for a step that waits itself) until cancelled. A step that raises
     is restarted after a backoff (at most `max_backoff_seconds`, default the interval or 1 s,
-    whichever is longer) and counted under `task`. Never returns; raises only CancelledError."""
+    whichever is longer) and counted under `task`. Never returns; raises only CancelledError.
+
+    A cancellation is final even when the step swallows it: Python 3.11's `asyncio.wait_for`
+    (redis-py wraps every send and read in one) can lose a cancel that arrives as its call
+    completes, and the step then returns normally. The loop checks its task's pending cancels
+    after each step, so a drain that cancels it never leaves it running past the clients it
+    uses (issue 29 item 17)."""
     cap = max_backoff_seconds if max_backoff_seconds is not None else max(interval_seconds, 1.0)
     loop = asyncio.get_running_loop()
+    current = asyncio.current_task()
     failures = 0
     while True:
         started = loop.time()
         try:
             await step()
+            _stop_if_cancelled(current)
         except asyncio.CancelledError:
             raise
         except Exception:
+            _stop_if_cancelled(current)
             failures += 1
             metrics.RESTARTS.labels(task).inc()
             if failures == 1:
@@ -58,3 +67,9 @@ async def run_every(
             log.warning("background task %s recovered after %d failed attempts", task, failures)
             failures = 0
         await asyncio.sleep(max(0.0, interval_seconds - (loop.time() - started)))
+
+
+def _stop_if_cancelled(task: asyncio.Task | None) -> None:
+    """Raise CancelledError when `task` was asked to cancel and the cancel was swallowed."""
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError

@@ -214,8 +214,11 @@ class Gateway:
         """The drain sequence (docs/operations.md "Draining"): report NOT_SERVING on grpc.health.v1.Health,
         keep serving for `delay_seconds` (default `server.drain_delay_seconds`) while Envoy's
         health check takes this server out of rotation, then take no new stream and let open ones
-        finish within `server.drain_grace_seconds` (both seconds), release what is left, close
-        the Redis clients."""
+        finish within `server.drain_grace_seconds` (both seconds), release what is left, stop
+        the background tasks and wait for them to end, close the Redis clients. A background
+        task cancelled in the middle of a Redis call and left running past the clients' close
+        could leave a send that never ran, on which the event loop's close then waited forever
+        (issue 29 item 17: a gateway drained right after its start, grpc's poller engine)."""
         self.draining = True
         settings = self.config.server
         delay = settings.drain_delay_seconds if delay_seconds is None else delay_seconds
@@ -231,6 +234,8 @@ class Gateway:
             await self.tracer.close()  # the spans still queued, for 2 s at most
         for task in self._background:
             task.cancel()
+        if self._background:  # they end before the clients they use close: no send left behind
+            await asyncio.wait(self._background, timeout=BACKGROUND_STOP_SECONDS)
         try:
             await self.registry.leave()
         except REDIS_FAILURES:
@@ -241,6 +246,9 @@ class Gateway:
 
 
 HOT_PATH_CALLS_PER_CONNECTION = 8
+# How long a drain waits for its cancelled background tasks to end (seconds): a step cancelled in
+# the middle of a Redis call ends in milliseconds; the bound only keeps a drain from hanging.
+BACKGROUND_STOP_SECONDS = 5.0
 
 
 def freeze_start_up_heap() -> None:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
 import time
 
 import aiohttp
@@ -19,7 +21,7 @@ import redis
 
 from extproc.openai_api.request import keyed_hash
 from irislab.local_gateway import LocalGateway, ProviderSimulation
-from tests.support.gateway import MODEL, clear_routing_state, provider_stats, wait_for_no_leases, wait_until
+from tests.support.gateway import MODEL, clear_routing_state, live_leases, provider_stats, wait_for_no_leases, wait_until
 
 SERIAL = "serial"  # one slot on iris-1: the order requests reach it is the order they were admitted in
 OFF = "no-queue"  # the same limits as MODEL, the queue off: the control
@@ -309,3 +311,61 @@ def test_a_redis_restart_with_a_full_queue_answers_every_waiter_and_loses_no_slo
         assert nothing_left(gateway)
     finally:
         gateway.stop()
+
+
+def test_a_pinned_request_of_a_class_that_does_not_wait_is_offloaded_while_a_wake_up_is_late(tmp_path):
+    """Issue 29 item 2, end to end. Session S (the batch class: the defaults, it never waits and
+    never uses reserved slots) is pinned to iris-1; two long streams hold iris-1's two slots; an
+    interactive request waits in its queue on the second proxy, whose ext_proc then freezes
+    (SIGSTOP: its wake-up comes late). One stream's client hangs up: a slot is free and the
+    waiter's ticket, still live, heads the queue. S's next request, on the first proxy, is
+    offloaded to the third party with its pin kept (the spec's execute_pinned_request), not
+    answered 503 "routing did not settle" as before; its next turn is back on its pin. iris-1
+    never holds more than its two slots and Redis keeps no ticket and no lease."""
+    config = queue_config()
+    config["routing"]["queue"].update({
+        "classes": [{"name": "interactive", "max_wait_ms": MAX_WAIT_MS}, {"name": "batch", "use_reserved_slots": False}],
+        "identity_classes": {"trusted_header:batch-user": "batch"},
+        # A ticket outlives the freeze's few seconds: the waiter still heads the queue when S asks.
+        "ticket_lease_ms": 9000, "poll_ms": 3000,
+    })
+    sim = ProviderSimulation(ttft_ms=20, per_token_ms=20)
+    gateway = LocalGateway(config_data=config, instances=2, simulations={"iris-1": sim, "tensorx": sim}, work_dir=tmp_path)
+    gateway.__enter__()
+    frozen = gateway.running[1].extproc.popen.pid
+    try:
+        async def scenario() -> tuple[dict, dict, dict]:
+            async with Client(gateway) as client:
+                first = await client.send("batch-user", session="S")
+                assert (first["status"], first["provider"], first["reason"]) == (200, "iris-1", "new_pin"), first
+                holders = [asyncio.create_task(client.send(f"holder{i}", tokens=HOLD, stream=True)) for i in range(2)]
+                assert await _until(lambda: in_flight(gateway, MODEL) == 2)
+                waiter = asyncio.create_task(client.send("waiter", instance=1))
+                assert await _until(lambda: tickets(gateway) == 1)
+                os.kill(frozen, signal.SIGSTOP)
+                try:
+                    await hang_up(holders[0])
+                    assert await _until(lambda: _live_leases(gateway) == 1)
+                    assert tickets(gateway) == 1  # the waiter has not taken the free slot
+                    pinned = await client.send("batch-user", session="S")
+                    assert tickets(gateway) == 1
+                finally:
+                    os.kill(frozen, signal.SIGCONT)
+                await waiter
+                await hang_up(holders[1])
+                again = await client.send("batch-user", session="S")
+                return first, pinned, again
+
+        first, pinned, again = asyncio.run(scenario())
+        assert (pinned["status"], pinned["provider"], pinned["reason"]) == (200, "tensorx", "offloaded"), pinned
+        assert (again["status"], again["provider"], again["reason"]) == (200, "iris-1", "pinned"), again
+        assert peak(gateway, MODEL) <= 2
+        assert nothing_left(gateway)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(frozen, signal.SIGCONT)
+        gateway.stop()
+
+
+def _live_leases(gateway: LocalGateway) -> int:
+    return live_leases(redis.Redis.from_url(gateway.redis_url))

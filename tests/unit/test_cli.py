@@ -99,8 +99,11 @@ def test_the_environment_gives_defaults_and_a_flag_wins(monkeypatch):
     assert (args.config, args.redis_url, args.log_level) == (str(example_config()), "redis://10.0.0.1:6380/2", "warning")
     args = cli._parser().parse_args(["drain", "iris-1", "--config", "other.yaml", "--redis-url", "redis://h:1/0", "--log-level", "error"])
     assert (args.config, args.redis_url, args.log_level) == ("other.yaml", "redis://h:1/0", "error")
-    help_text = " ".join(subcommands(cli._parser())["drain"].format_help().split())
+    monkeypatch.setenv("COLUMNS", "40")  # a narrow terminal: every help line wraps, as a long checkout path does
+    help_lines = subcommands(cli._parser())["drain"].format_help().splitlines()
+    help_text = " ".join(" ".join(help_lines).split())
     assert f"(default: {example_config()})" in help_text and "environment: IRIS_CONFIG" in help_text
+    assert any(str(example_config()) in line for line in help_lines)  # the path is never cut, whatever its length
     assert "(default: warning; environment: IRIS_LOG_LEVEL)" in help_text
     result = run("check", "--envoy", str(envoy_yaml()), env={"IRIS_CONFIG": str(example_config())})
     assert result.returncode == 0 and result.stdout.startswith("ok: "), result.stderr

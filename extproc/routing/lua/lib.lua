@@ -481,7 +481,7 @@ local function capacity_result(ctx, p, session_in_flight, may_use_reserved, need
   if may_use_reserved and not reserved and result == 'UNRESERVED_IN_FLIGHT_REQUEST_LIMIT_REACHED' then
     result = 'GLOBAL_IN_FLIGHT_REQUEST_LIMIT_REACHED'
   end
-  return queue_gate(ctx, p, result, reserved)
+  return queue_gate(ctx, p, result, reserved, may_use_reserved)
 end
 
 -- Reply: {result, now, pin provider, pin id, pin deadline, pin expiry, lease id, lease deadline};

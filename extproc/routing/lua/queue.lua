@@ -270,11 +270,16 @@ local function leave_pair(ctx, p, id)
 end
 
 -- The gate of every admission on pair p (lib.lua's capacity_result): `result` is the spec's answer,
--- `reserved` whether this admission may use the reserved slots. Returns the answer: ADMITTED only
--- when nobody waits ahead for the room the admission would use (the hand-over: the queue's head
--- takes a freed slot, never a newcomer); QUEUED when the request's ticket waits in p's queue;
--- TICKET_LOST when a waiting ticket is gone; else the spec's refusal.
-queue_gate = function(ctx, p, result, reserved)
+-- `reserved` whether this admission may use the reserved slots, `pinned` whether it is a request
+-- on its session's pin. Returns the answer: ADMITTED only when nobody waits ahead for the room the
+-- admission would use (the hand-over: the queue's head takes a freed slot, never a newcomer);
+-- QUEUED when the request's ticket waits in p's queue; TICKET_LOST when a waiting ticket is gone;
+-- else a refusal the spec's rules know for that admission. A pinned admission the gate refuses
+-- (someone waits ahead, its class's queue is full, it may not wait: a class that does not wait, a
+-- drain) finds the pair full, GLOBAL_IN_FLIGHT_REQUEST_LIMIT_REACHED, as the spec's capacity
+-- answers on a pin are, so the router offloads it with its pin kept (the spec's
+-- execute_pinned_request); UNRESERVED_IN_FLIGHT_REQUEST_LIMIT_REACHED is never a pin's answer.
+queue_gate = function(ctx, p, result, reserved, pinned)
   local q = ctx.queue
   purge_expired_tickets(ctx)
   local own = own_ticket(ctx)
@@ -309,7 +314,7 @@ queue_gate = function(ctx, p, result, reserved)
     if not own and not first_live(ctx, key, exact((q.class + 1) * QUEUE_CLASS_SPAN)) then
       return 'ADMITTED'  -- only lower classes wait: strict priority
     end
-    refusal = reserved and 'GLOBAL_IN_FLIGHT_REQUEST_LIMIT_REACHED' or 'UNRESERVED_IN_FLIGHT_REQUEST_LIMIT_REACHED'
+    refusal = pinned and 'GLOBAL_IN_FLIGHT_REQUEST_LIMIT_REACHED' or 'UNRESERVED_IN_FLIGHT_REQUEST_LIMIT_REACHED'
   end
   local queued = own and redis.call('ZSCORE', p.queue_key, own.id)
   if not queued then

@@ -244,3 +244,65 @@ async def test_the_queue_and_the_third_party_share_work_together(redis_client, r
     assert await queue_is_empty(redis_client, router)
     for decision_held in [*held[:1], *held[2:], decision]:
         await release(router, decision_held)
+
+
+PINNED_REFUSAL_QUEUE = {
+    "classes": [
+        {"name": "interactive", "max_wait_ms": 30_000},
+        {"name": "batch", "use_reserved_slots": False},  # the default classes' batch: it never waits, no reserved slots
+        {"name": "bulk", "max_wait_ms": 30_000, "max_depth": 1, "use_reserved_slots": False},
+    ],
+    # No wake-up listener here, and a poll far longer than the test: a waiter takes a freed slot
+    # only when the test lets it (the late or lost wake-up of issue 29 item 2).
+    "poll_ms": 20_000, "ticket_lease_ms": 60_000,
+}
+
+
+@pytest.mark.parametrize(("refusal", "session_class", "waiter_class"), [
+    ("the class does not wait", "batch", "interactive"),
+    ("the class's queue is full", "bulk", "bulk"),
+    ("the proxy drains", "bulk", "interactive"),
+])
+async def test_a_pinned_request_the_queue_refuses_is_offloaded_with_its_pin_kept(
+    redis_client, redis_url, refusal, session_class, waiter_class,
+):
+    """Issue 29 item 2: session S is pinned to iris-1; the unreserved slots of both own providers
+    are full and a request (of another proxy) waits in both queues; one iris-1 slot frees and the
+    waiter has not taken it yet. S's next request is refused by the queue's gate, not by the
+    spec's rules (they would admit it), whatever the refusal: its class does not wait, its class's
+    queue is full, or its proxy drains. As the spec's execute_pinned_request does for a pin at
+    capacity, it is offloaded once (the third party here) and the pin stays; never the 503 of a
+    routing that "did not settle" (which it was before: the gate's answer was
+    UNRESERVED_IN_FLIGHT_REQUEST_LIMIT_REACHED, retried as RETRY_ROUTING ten times)."""
+    config = parse_config(small_config_data(redis_url, routing={"queue": PINNED_REFUSAL_QUEUE}))
+    proxy, other_proxy = make_router(redis_client, config, Wakeups()), make_router(redis_client, config, Wakeups())
+
+    def session_request() -> RoutingRequest:
+        return RoutingRequest("m", "chat", frozenset(), "s", priority=session_class, tenant="s")
+
+    first = await proxy.execute_request(session_request())
+    assert (first.provider.name, first.reason) == ("iris-1", Reason.NEW_PIN)
+    await release(proxy, first)  # S is idle, still pinned to iris-1
+    held = await fill_own_providers(proxy)
+    waiter = asyncio.create_task(other_proxy.execute_request(temporary("w", priority=waiter_class)))
+    keys = proxy.state.keys
+    assert await until(lambda: _count_is(redis_client.zcard(keys.queue("m", "iris-2")), 1))  # it joined iris-1's first
+    assert await redis_client.zcard(keys.queue("m", "iris-1")) == 1
+    await release(proxy, held[0])  # a slot of iris-1 frees; the waiter polls only in 20 s
+    if refusal == "the proxy drains":
+        proxy.wakeups.close()
+
+    decision = await proxy.execute_request(session_request())
+
+    assert isinstance(decision, Decision), decision
+    assert (decision.provider.name, decision.reason, decision.lease, decision.pin) == ("tensorx", Reason.OFFLOADED, None, None)
+    pin = await proxy.state.get_pin("m", "s")
+    assert (pin.provider, pin.id) == ("iris-1", first.pin.id)
+    assert not waiter.done()
+    other_proxy.wakeups.close()  # the waiter's proxy drains: it goes on to the third party
+    served = await waiter
+    assert (served.provider.name, served.lease) == ("tensorx", None)
+    for decision_held in held[1:]:
+        await release(proxy, decision_held)
+    assert await queue_is_empty(redis_client, proxy)
+    assert [await redis_client.zcard(keys.provider_leases("m", p)) for p in ("iris-1", "iris-2")] == [0, 0]

@@ -269,3 +269,22 @@ async def _fair_order_after(qstate, redis_client, round_served: int) -> None:
         assert await temporary(qstate, f"b{i}", T0 + 10 + i, args(f"b{i}", tenant="b", rank=BATCH)) is Result.QUEUED
     assert await queue_order(qstate.redis, qstate) == ["a0", "b0", "a1", "b1", "a2", "a3"]
     assert int(await redis_client.hget(state_key, "seq")) < 2**20
+
+
+@pytest.mark.parametrize(("rank", "mode"), [(BATCH, "none"), (INTERACTIVE, "none"), (BATCH, "join")])
+async def test_a_pinned_admission_the_gate_refuses_finds_the_pair_full(qstate, redis_client, rank, mode):
+    """Issue 29 item 2: a free unreserved slot of iris-1 and a ticket waiting for it: a pinned
+    admission that may not take it (no ticket: its class does not wait or its proxy drains; or a
+    batch ticket that does not head the queue) gets the answer the spec gives a pin at capacity,
+    GLOBAL_IN_FLIGHT_REQUEST_LIMIT_REACHED, on which the router offloads it with the pin kept;
+    never UNRESERVED_IN_FLIGHT_REQUEST_LIMIT_REACHED, which no pinned admission gets."""
+    pinned = await qstate.try_admit_unpinned_session_request("iris-1", "m", "s", lease_id="P0", now_ms=T0)
+    await qstate.release_request_lease(pinned.lease, refresh_pin=False, now_ms=T0)
+    leases = await fill_unreserved(qstate)
+    assert await temporary(qstate, "W", T0 + 1, args("W")) is Result.QUEUED
+    await qstate.release_request_lease(leases[0], refresh_pin=False, now_ms=T0 + 2)
+    queue = args("P1", mode=mode, rank=rank, tenant="s")
+    refused = await qstate.try_admit_pinned_session_request("m", "s", lease_id="P1", now_ms=T0 + 3, queue=queue)
+    expected = Result.QUEUED if mode == "join" else Result.GLOBAL_IN_FLIGHT_REQUEST_LIMIT_REACHED
+    assert (refused.result, refused.pin.id) == (expected, pinned.pin.id)
+    assert await queue_order(redis_client, qstate) == (["W", "P1"] if mode == "join" else ["W"])
