@@ -24,8 +24,7 @@ end
 local j = p.pick and p.pick.index[op_arg(ctx, 4) or '']
 local score = tonumber(redis.call('ZSCORE', p.leases_key, lease_id)) or 0
 if op_arg(ctx, 3) == '1' and score <= ctx.now then
-  local session_in_flight = live_count(ctx.session_leases_key, ctx.now) + earlier_in_flight(ctx, p)
-  local result = spec_capacity_result(ctx, p, session_in_flight, true, false)
+  local result = spec_capacity_result(ctx, p, session_in_flight_on(ctx, p), true, false)
   if result == 'ADMITTED' and j and p.pick.cap ~= NO_LIMIT and live_count(p.pick.leases[j], ctx.now) >= p.pick.cap then
     result = 'GLOBAL_IN_FLIGHT_REQUEST_LIMIT_REACHED'
   end

@@ -241,6 +241,12 @@ local function earlier_in_flight(ctx, p)
   return n
 end
 
+-- The session's live leases on pair p, counted against its per-session limit there: those of its
+-- pin and those of its earlier pins (a session repinned away and back while its requests run).
+local function session_in_flight_on(ctx, p)
+  return live_count(ctx.session_leases_key, ctx.now) + earlier_in_flight(ctx, p)
+end
+
 -- A compare-and-swap moves the pin away: the old pin's live leases keep counting against the
 -- session's per-session limit on their pair, as earlier leases.
 local function retire_session_leases(ctx, pin)
@@ -563,8 +569,7 @@ local function admit_on_pin(ctx, p, pin, lease_id)
   tidy_provider(ctx, p)
   ctx.sticky = pin.endpoint  -- affinity pick: the session's endpoint first while under its cap
   ctx.lease_id = lease_id
-  local session_in_flight = live_count(ctx.session_leases_key, ctx.now) + earlier_in_flight(ctx, p)
-  local result = capacity_result(ctx, p, session_in_flight, true, false)
+  local result = capacity_result(ctx, p, session_in_flight_on(ctx, p), true, false)
   if result ~= 'ADMITTED' then
     return reply(ctx, result, pin)
   end

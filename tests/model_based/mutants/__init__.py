@@ -188,14 +188,14 @@ MUTANTS = (
     Mutant(
         "per_session_limit_counts_the_pair",
         "the per-session check counts every lease of the pair instead of the session's",
-        (("admit_pinned", "local session_in_flight = live_count(ctx.session_leases_key, ctx.now)",
-          "local session_in_flight = live_count(p.leases_key, ctx.now)"),),
+        (("admit_pinned", "return live_count(ctx.session_leases_key, ctx.now) + earlier_in_flight(ctx, p)",
+          "return live_count(p.leases_key, ctx.now) + earlier_in_flight(ctx, p)"),),
     ),
     Mutant(
         "per_session_limit_forgets_earlier_pins",
         "a session repinned away and back while its requests run there is admitted on top of them (issue 10, item 8)",
-        (("lib", "live_count(ctx.session_leases_key, ctx.now) + earlier_in_flight(ctx, p)",
-          "live_count(ctx.session_leases_key, ctx.now)"),),
+        (("lib", "return live_count(ctx.session_leases_key, ctx.now) + earlier_in_flight(ctx, p)",
+          "return live_count(ctx.session_leases_key, ctx.now)"),),
     ),
     Mutant(
         "repin_forgets_the_running_requests_of_the_old_pin",
