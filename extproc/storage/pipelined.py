@@ -724,7 +724,8 @@ class Cluster(Topology):
                     return replies
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, TRYAGAIN_BACKOFF_SECONDS[1])
-                node, asking = await self._owner(slot, deadline), False  # the move may have ended
+                # From the slot's owner again (the move may have ended): its ASK is followed anew.
+                node, asking, redirections = await self._owner(slot, deadline), False, 0
                 continue
             if type(error) is not MovedError and type(error) is not AskError:
                 return replies
