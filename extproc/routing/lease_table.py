@@ -645,8 +645,8 @@ class LeaseTable:
         when the fleet's scope is open, read the epoch (failing: nothing else is tried), open the
         scope of every model held (its leases were decided locally, or renewed without the epoch)
         and close the fleet's; then recover each model whose scope is open (`_recover_model`),
-        each on its own, so a model Redis does not serve yet (a dead shard, a slot being moved)
-        holds up no other. Returns the local leases adopted. Raises RedisError when the epoch
+        all at once, so a model Redis does not serve yet (a dead shard, a slot being moved) holds
+        up no other. Returns the local leases adopted. Raises RedisError when the epoch
         cannot be read (the fleet's scope stays open)."""
         if self.breaker.fleet_open:
             try:
@@ -657,10 +657,8 @@ class LeaseTable:
             for model in self._models_held():
                 self.breaker.trip(None, model)
             self.breaker.close()
-        adopted = 0
-        for model in sorted(self.breaker.open_models):
-            adopted += await self._recover_model(model)
-        return adopted
+        recovered = await asyncio.gather(*(self._recover_model(model) for model in sorted(self.breaker.open_models)))
+        return sum(recovered)
 
     async def _recover_model(self, model: str) -> int:
         """Adopt every lease of `model` held (local ones, and Redis ones it may have let expire or

@@ -206,19 +206,53 @@ def test_a_slot_move_costs_only_the_moving_model(tmp_path, cluster):
     assert routes_again_after <= ROUTES_AGAIN_BOUND_SECONDS + LOAD_SLACK_SECONDS
 
 
-def test_a_moving_slot_lets_no_lease_of_another_model_expire(tmp_path, cluster):
+class SlotMove:
+    """The slot of `key` held half-moved (keys split between its owner and another primary than
+    `avoid`'s) from `begin` to `end`."""
+
+    def __init__(self, cluster: LocalCluster, key: str, avoid: str):
+        self.cluster, self.slot = cluster, slot_of(cluster, key)
+        self.source = cluster.primary_for(key)
+        self.target = move_target(cluster, self.source, {cluster.primary_for(avoid).port})
+
+    def begin(self) -> None:
+        self.cluster.begin_slot_move(self.slot, self.source, self.target)
+
+    def end(self) -> None:
+        self.cluster.end_slot_move(self.slot, self.source, self.target)
+
+
+class PausedPrimary:
+    """The primary owning `key`'s slot answers no client (CLIENT PAUSE ALL, the cluster bus
+    untouched: no failover) for `seconds` from `begin`: one shard unavailable."""
+
+    def __init__(self, cluster: LocalCluster, key: str, avoid: str, seconds: float = 6.5):
+        self.node, self.seconds = cluster.primary_for(key), seconds
+        self.client = cluster.client(self.node)
+
+    def begin(self) -> None:
+        self.client.execute_command("CLIENT", "PAUSE", round(self.seconds * 1000), "ALL")
+
+    def end(self) -> None:
+        wait_for(lambda: self.client.ping(), self.seconds + 10, "the paused primary answering again")
+
+
+@pytest.mark.parametrize("fault", [SlotMove, PausedPrimary], ids=["slot_move", "paused_primary"])
+def test_a_shard_in_trouble_lets_no_lease_of_another_model_expire(tmp_path, cluster, fault):
     """Issue 29 item 4. Lease timeout 3 s. Instance A runs 6 long requests of MODEL on iris-1
-    (limit 6) and 2 of the moving model; the moving model's slot is held half-migrated for 6 s
-    while A keeps being asked for the moving model (its scope opens) and instance B keeps deciding
-    MODEL. Before the fix A's breaker opened for every model, A renewed none of its leases, they
-    expired in Redis after 3 s and B admitted MODEL on iris-1 over the limit."""
-    prefix = "so"
+    (limit 6) and 2 of model `m`; m's shard is in trouble for 6 s (`fault`: its slot held
+    half-moved, or its primary paused) while A keeps being asked for m (m's scope opens) and
+    instance B keeps deciding MODEL. Before the fix A's breaker opened for every model, A renewed
+    none of its leases, they expired in Redis after 3 s and B admitted MODEL on iris-1 over the
+    limit."""
+    prefix = f"so-{fault.__name__}"
     moving = model_on_another_shard(cluster, prefix, MODEL)
     gateway = start_two_instances(tmp_path, cluster, prefix, 3.0, {
         "iris-1": {MODEL: {"max_global_in_flight_request_slots": 6}, moving: {"max_global_in_flight_request_slots": 2}},
         "iris-2": {"spare": None},
         "tensorx": {MODEL: None, moving: None},
     })
+    trouble = fault(cluster, f"{{{prefix}:{moving}}}", f"{{{prefix}:{MODEL}}}")
     url = gateway.running[0].url
     long_ones: list[Sent] = []
     http = httpx.Client(timeout=60)
@@ -233,18 +267,15 @@ def test_a_moving_slot_lets_no_lease_of_another_model_expire(tmp_path, cluster):
             thread.start()
         wait_for(lambda: provider_stats(gateway, "iris-1")["in_flight_by_model"].get(MODEL, 0) == 6
                  and provider_stats(gateway, "iris-1")["in_flight_by_model"].get(moving, 0) == 2, 20, "A's long requests running")
-        slot = slot_of(cluster, f"{{{prefix}:{moving}}}")
-        source = cluster.primary_for(f"{{{prefix}:{moving}}}")
-        target = move_target(cluster, source, {cluster.primary_for(f"{{{prefix}:{MODEL}}}").port})
-        cluster.begin_slot_move(slot, source, target)
+        trouble.begin()
         began = time.monotonic()
-        load.add(gateway, 0, moving, workers=2, max_tokens=5)  # A's decisions of the moving model fail
+        load.add(gateway, 0, moving, workers=2, max_tokens=5)  # A's decisions of m fail
         load.add(gateway, 1, MODEL, workers=3, max_tokens=50)  # B decides MODEL meanwhile
         while time.monotonic() < began + 6.0:  # two lease timeouts: A's MODEL leases stay live in Redis
             renewed_through.append(live_on(owner, leases_key))
             time.sleep(0.2)
         sent = load.stop()
-        cluster.end_slot_move(slot, source, target)
+        trouble.end()
         for thread in held:
             thread.join(timeout=60)
         stats = {name: peaks(gateway, name) for name in ("iris-1", "tensorx")}
@@ -253,8 +284,8 @@ def test_a_moving_slot_lets_no_lease_of_another_model_expire(tmp_path, cluster):
         http.close()
         gateway.stop()
     by_b = [s for s in sent if s.instance == 1]
-    print("moving slot figures:", {
-        "live_MODEL_leases_on_iris-1_during_move": (min(renewed_through), max(renewed_through)),
+    print(f"{fault.__name__} figures:", {
+        "live_MODEL_leases_on_iris-1_during_trouble": (min(renewed_through), max(renewed_through)),
         "B_requests": len(by_b), "B_providers": sorted({s.provider or "" for s in by_b}), "provider_peaks": stats,
     })
     assert len(long_ones) == 8 and {s.status for s in long_ones} == {200}, long_ones
