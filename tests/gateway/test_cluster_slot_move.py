@@ -13,6 +13,7 @@ after it (docs/routing-state.md "When Redis is gone": `redis.probe_interval_seco
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from dataclasses import dataclass
@@ -21,8 +22,17 @@ import httpx
 import pytest
 import redis
 
+from extproc.config import parse_config
+from extproc.routing.degraded import DegradedFlags
+from extproc.routing.lease_table import Held, LeaseTable
+from extproc.routing.outage import InstanceRegistry, OutagePolicy, RedisBreaker
+from extproc.routing.router import Reason, Router, RoutingRequest
+from extproc.routing.state import RoutingState
+from extproc.storage.client import open_redis
+from extproc.storage.pipelined import open_pipelined
 from irislab.local_gateway import LocalGateway, ProviderSimulation
 from irislab.redis_topologies import LocalCluster
+from tests.support.configs import small_config_data
 from tests.support.gateway import MODEL, gateway_config, provider_stats
 
 PROBE_INTERVAL_SECONDS = 0.5  # redis.probe_interval_seconds (the default)
@@ -294,3 +304,63 @@ def test_a_shard_in_trouble_lets_no_lease_of_another_model_expire(tmp_path, clus
     assert stats["iris-1"].get(MODEL, 0) <= 6, stats  # no over-admit
     assert stats["iris-1"].get(moving, 0) <= 2, stats
     assert min(renewed_through) >= 6  # A's 6 MODEL leases kept renewing (B's add none: iris-1 is full)
+
+
+def test_the_lease_table_counts_and_recovers_each_model_on_its_own(cluster):
+    """The lease table alone (no gateway), lease timeout 1.5 s, leases of model m and of a moving
+    model held: during the move the moving model's failed decisions (each after TRYAGAIN retried
+    for a call's deadline) open its scope only; m still decides through Redis and its lease keeps
+    renewing past a lease timeout; a recovery during the move leaves the moving model open and m
+    untouched; the first one after it closes the moving model's scope and adopts its lease."""
+    prefix = "lt"
+    moving = model_on_another_shard(cluster, prefix, "m")
+    data = small_config_data(lease_timeout_seconds=1.5, redis={"key_prefix": prefix, "cluster": {"nodes": cluster.seeds}})
+    data["providers"][0]["models"][moving] = {"features": ["chat"], "limits": {"max_global_in_flight_request_slots": 4}}
+    data["providers"][2]["models"][moving] = {"features": ["chat"]}
+    config = parse_config(data)
+    move = SlotMove(cluster, f"{{{prefix}:{moving}}}", f"{{{prefix}:m}}")
+
+    def chat(model: str, session: str) -> RoutingRequest:
+        return RoutingRequest(model, "chat", frozenset(), session)
+
+    async def run() -> None:
+        client = open_redis(config.redis, timeout_seconds=5)
+        hot_path = open_pipelined(config.redis)  # a call's deadline: socket_timeout_seconds (0.5 s)
+        state = RoutingState(client, config, hot_path=hot_path)
+        router = Router(config, state, DegradedFlags(client, config))
+        table = LeaseTable(config, state, router, OutagePolicy(config, router, InstanceRegistry(client, prefix)), RedisBreaker(client, 3))
+        table.start()
+        await table.refresh_epoch()
+        kept = [await table.decide(chat("m", "kept")), await table.decide(chat(moving, "kept"))]
+        assert all(isinstance(h, Held) and h.decision.provider.name == "iris-1" for h in kept), kept
+        move.begin()
+        try:
+            began = time.monotonic()
+            during = [await table.decide(chat(moving, f"during-{i}")) for i in range(3)]
+            assert all(isinstance(h, Held) and h.decision.provider.name == "tensorx" for h in during), during
+            assert time.monotonic() - began >= 3 * 0.4  # each retried TRYAGAIN for about a call's deadline
+            assert table.breaker.open_models == {moving} and not table.breaker.fleet_open
+            other = await table.decide(chat("m", "during"))
+            assert isinstance(other, Held) and other.decision.reason is Reason.NEW_PIN
+            assert await table.recover() == 0
+            assert table.breaker.open_models == {moving}
+            while time.monotonic() < began + 2 * config.lease_timeout_seconds:  # m's lease renews meanwhile
+                await asyncio.sleep(0.1)
+            assert not kept[0].lost.is_set() and not kept[0].unconfirmed
+            now = await client.time()
+            expiry = await client.zscore(state.keys.provider_leases("m", "iris-1"), kept[0].lease.id)
+            assert expiry is not None and expiry > now[0] * 1000 + now[1] // 1000
+        finally:
+            move.end()
+        await table.recover()
+        assert not table.breaker.is_open
+        assert not kept[1].unconfirmed and not kept[1].lost.is_set()  # adopted back
+        after = await table.decide(chat(moving, "after"))
+        assert isinstance(after, Held) and after.decision.reason is Reason.NEW_PIN
+        for held in [*kept, *during, other, after]:
+            table.end(held, succeeded=True)
+        await table.drain()
+        await hot_path.aclose()
+        await client.aclose()
+
+    asyncio.run(run())
