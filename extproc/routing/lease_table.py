@@ -192,8 +192,9 @@ class LeaseTable:
     ) -> Held | Rejection | Refusal:
         """Decide through Redis (within `server.decision_timeout_seconds`, plus the request's
         `max_wait_ms` when it may wait in the admission queue), or through the outage policy while
-        the breaker is open or when this decision's Redis calls failed. A decision cancelled while
-        its request waits in the queue is abandoned like any other: its ticket goes with its ids.
+        the breaker is open for its model (or the fleet) or when this decision's Redis calls
+        failed. A decision cancelled while its request waits in the queue is abandoned like any
+        other: its ticket goes with its ids.
         `router` and `state` (default: the table's) are one config's pair (extproc.operations.reload).
         Raises asyncio.CancelledError when the stream is cancelled (its ids are abandoned)."""
         router, state = router or self.router, state or self.state
