@@ -643,22 +643,27 @@ class LeaseTable:
 
     async def recover(self) -> int:
         """Redis answers again, for some scopes at least (extproc.routing.outage.RedisBreaker):
-        when the fleet's scope is open, read the epoch (failing: nothing else is tried), open the
-        scope of every model held (its leases were decided locally, or renewed without the epoch)
-        and close the fleet's; then recover each model whose scope is open (`_recover_model`),
-        all at once, so a model Redis does not serve yet (a dead shard, a slot being moved) holds
-        up no other. Returns the local leases adopted. Raises RedisError when the epoch
-        cannot be read (the fleet's scope stays open)."""
+        when the fleet's scope is open, read the epoch and, when it answers, open the scope of
+        every model held (its leases were decided locally, or renewed without the epoch) and
+        close the fleet's; then recover each model whose scope is open (`_recover_model`), all at
+        once, so a model Redis does not serve yet (a dead shard, a slot being moved) holds up no
+        other (while the fleet's scope stays open too: their leases renew again, their decisions
+        wait for the epoch). Returns the local leases adopted. Raises RedisError when the epoch
+        cannot be read (the fleet's scope stays open), after the models' recovery."""
+        fleet_error: BaseException | None = None
         if self.breaker.fleet_open:
             try:
                 await self.refresh_epoch(adopt_on_change=False)
             except REDIS_FAILURES as exc:
                 self.breaker.trip(exc)
-                raise
-            for model in self._models_held():
-                self.breaker.trip(None, model)
-            self.breaker.close()
+                fleet_error = exc
+            else:
+                for model in self._models_held():
+                    self.breaker.trip(None, model)
+                self.breaker.close()
         recovered = await asyncio.gather(*(self._recover_model(model) for model in sorted(self.breaker.open_models)))
+        if fleet_error is not None:
+            raise fleet_error
         return sum(recovered)
 
     async def _recover_model(self, model: str) -> int:
