@@ -155,6 +155,17 @@ def live_on(client: redis.Redis, key: str) -> int:
     return client.zcount(key, f"({seconds * 1000 + micros // 1000}", "+inf")
 
 
+def live_leases_of(cluster: LocalCluster, prefix: str) -> int:
+    """Live request leases under `prefix` on every primary (test-only: KEYS on each node)."""
+    return sum(live_on(cluster.client(node), key.decode())
+               for node in cluster.live_primaries() for key in cluster.client(node).keys(f"{{{prefix}:*}}:leases:*"))
+
+
+def wait_until_released(cluster: LocalCluster, prefix: str, lease_timeout: float) -> None:
+    """Every lease under `prefix` released, or expired, within a lease timeout (and some slack)."""
+    wait_for(lambda: live_leases_of(cluster, prefix) == 0, lease_timeout + 5, "every lease released or expired")
+
+
 def test_a_slot_move_costs_only_the_moving_model(tmp_path, cluster):
     """Issue 29 item 3. Each instance runs 2 workers of MODEL (limit 4 on each own provider) and
     3 of the moving model (limit 3 on iris-1, and the unlimited third party; short requests, so
@@ -193,6 +204,8 @@ def test_a_slot_move_costs_only_the_moving_model(tmp_path, cluster):
 
         wait_for(routes_again, 20, "the moving model routed through Redis again")
         time.sleep(1.0)
+        sent = load.stop()
+        wait_until_released(cluster, prefix, 6.0)
     finally:
         sent = load.stop()
         stats = {name: peaks(gateway, name) for name in ("iris-1", "iris-2")}
@@ -306,6 +319,7 @@ def test_a_shard_in_trouble_lets_no_lease_of_another_model_expire(tmp_path, clus
         for thread in held:
             thread.join(timeout=60)
         stats = {name: peaks(gateway, name) for name in ("iris-1", "tensorx")}
+        wait_until_released(cluster, prefix, 3.0)
     finally:
         load.stop()
         http.close()
