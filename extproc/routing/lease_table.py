@@ -659,7 +659,7 @@ class LeaseTable:
                 fleet_error = exc
             else:
                 for model in self._models_held():
-                    self.breaker.trip(None, model)
+                    self.breaker.hold_until_recovered(model)
                 self.breaker.close()
         recovered = await asyncio.gather(*(self._recover_model(model) for model in sorted(self.breaker.open_models)))
         if fleet_error is not None:

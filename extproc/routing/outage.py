@@ -127,7 +127,9 @@ class RedisBreaker:
     `{prefix}`). An open model scope sends that model's decisions to the outage policy and stops
     its renewals; an open fleet scope sends every model's decisions there (without the epoch no
     decision can be checked) but stops no renewal. The lease table's recovery closes each scope
-    once Redis serves it again (extproc.routing.lease_table.LeaseTable.recover)."""
+    once Redis serves it again (extproc.routing.lease_table.LeaseTable.recover: its adoptions, or
+    a probe call on the model's keys, are the probes; `redis` is not asked here any more and
+    stays for the callers)."""
 
     def __init__(self, redis: Redis, failures_in_a_row: int = 3):
         self.redis = redis
@@ -168,15 +170,18 @@ class RedisBreaker:
     def record_success(self, model: str | None = None) -> None:
         self.failures[model] = 0
 
-    def trip(self, error: BaseException | None, model: str | None = None) -> None:
-        """Open `model`'s scope (None: the fleet's) now (outage policy in force there). `error`:
-        what failed, None when the scope opens for another reason (a recovery to run)."""
+    def trip(self, error: BaseException, model: str | None = None) -> None:
+        """Open `model`'s scope (None: the fleet's) now (outage policy in force there)."""
         self.failures_seen += 1
         if model not in self.open_since:
             what = "routing state" if model is None else f"routing state of model {model}"
-            why = type(error).__name__ if error is not None else "to recover"
-            log.warning("%s unreachable (%s): outage policy in force", what, why)
+            log.warning("%s unreachable (%s): outage policy in force", what, type(error).__name__)
             self.open_since[model] = time.monotonic()
+
+    def hold_until_recovered(self, model: str) -> None:
+        """Open `model`'s scope, no failure counted, until its recovery adopts what it holds
+        (the fleet's scope closes: the model's leases were decided or renewed without it)."""
+        self.open_since.setdefault(model, time.monotonic())
 
     def close(self, model: str | None = None) -> None:
         """Close `model`'s scope (None: the fleet's)."""
