@@ -166,6 +166,7 @@ def wait_until_released(cluster: LocalCluster, prefix: str, lease_timeout: float
     wait_for(lambda: live_leases_of(cluster, prefix) == 0, lease_timeout + 5, "every lease released or expired")
 
 
+@pytest.mark.slow
 def test_a_slot_move_costs_only_the_moving_model(tmp_path, cluster):
     """Issue 29 item 3. Each instance runs 2 workers of MODEL (limit 4 on each own provider) and
     3 of the moving model (limit 3 on iris-1, and the unlimited third party; short requests, so
@@ -210,22 +211,23 @@ def test_a_slot_move_costs_only_the_moving_model(tmp_path, cluster):
         sent = load.stop()
         stats = {name: peaks(gateway, name) for name in ("iris-1", "iris-2")}
         gateway.stop()
-    assert [s for s in sent if s.status != 200] == []
     during = [s for s in sent if s.model == MODEL and began <= s.started <= ended]
-    assert during, "no request of the other model overlapped the move"
-    assert {s.provider for s in during} <= {"iris-1", "iris-2"}, {s.provider for s in during}
-    assert {s.reason for s in during} == {"new_pin"}
-    assert stats["iris-1"].get(MODEL, 0) <= 4 and stats["iris-2"].get(MODEL, 0) <= 4, stats
-    assert stats["iris-1"].get(moving, 0) <= 3, stats
     # How long after the move's end the moving model's decisions still went to the outage policy.
     outage = [s.started - ended for s in sent if s.model == moving and s.started > began and s.reason == "unpinned"]
     routes_again_after = round(max(0.0, *outage), 2)
     print("slot move figures:", {
         "moved_keys_at_begin": moved_keys, "middle_state_seconds": round(ended - began, 2),
-        "other_model_requests_during_move": len(during), "provider_peaks": stats,
-        "moving_model_outage_decisions": len(outage), "last_one_after_end_seconds": round(max(outage), 2),
+        "other_model_requests_during_move": len(during),
+        "of_them_to_the_third_party": sum(1 for s in during if s.provider == "tensorx"),
+        "provider_peaks": stats, "moving_model_outage_decisions": len(outage),
         "moving_model_routes_again_after_seconds": routes_again_after, "bound_seconds": ROUTES_AGAIN_BOUND_SECONDS,
     })
+    assert [s for s in sent if s.status != 200] == []
+    assert during, "no request of the other model overlapped the move"
+    assert {s.provider for s in during} <= {"iris-1", "iris-2"}, {s.provider for s in during}
+    assert {s.reason for s in during} == {"new_pin"}
+    assert stats["iris-1"].get(MODEL, 0) <= 4 and stats["iris-2"].get(MODEL, 0) <= 4, stats
+    assert stats["iris-1"].get(moving, 0) <= 3, stats
     assert routes_again_after <= ROUTES_AGAIN_BOUND_SECONDS + LOAD_SLACK_SECONDS
 
 
@@ -275,6 +277,7 @@ class PausedFleetPrimary(PausedPrimary):
         return f"{{{prefix}}}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", [SlotMove, PausedPrimary, PausedFleetPrimary], ids=["slot_move", "paused_primary", "paused_fleet_primary"])
 def test_a_shard_in_trouble_lets_no_lease_of_another_model_expire(tmp_path, cluster, fault):
     """Issue 29 item 4. Lease timeout 3 s. Instance A runs 6 long requests of MODEL on iris-1
