@@ -70,7 +70,9 @@ LEASE_RENEWALS = Counter(
 RELEASE_RETRIES = Counter("iris_lease_release_retries_total", "Lease releases retried after a Redis error")
 REDIS_ERRORS = Counter("iris_redis_errors_total", "Redis commands that failed, by what this process was doing", ["operation"])
 REDIS_BREAKER_OPEN = Gauge(
-    "iris_redis_breaker_open", "1 while the Redis circuit breaker is open (decisions use the outage policy)", multiprocess_mode="livemax"
+    "iris_redis_breaker_open",
+    "1 while a scope of the Redis circuit breaker is open (a model's or the fleet's: its decisions use the outage policy)",
+    multiprocess_mode="livemax",
 )
 DECISION_SECONDS = Histogram(
     "iris_decision_duration_seconds",

@@ -165,6 +165,39 @@ class LocalCluster(StartedTogether):
         _wait(promoted, within_seconds, f"a new primary for {key!r}")
         return found[-1]
 
+    def live_primaries(self) -> list[ManagedProcess]:
+        """The live nodes that are primaries now."""
+        return [node for node in self.live_nodes() if self.client(node).execute_command("ROLE")[0] == b"master"]
+
+    def node_id(self, node: ManagedProcess) -> str:
+        return self.client(node).execute_command("CLUSTER", "MYID").decode()
+
+    def begin_slot_move(self, slot: int, source: ManagedProcess, target: ManagedProcess, share: float = 0.5) -> int:
+        """The first steps of moving `slot` from `source` to `target` (the Redis Cluster
+        specification's "Live reconfiguration", as `redis-cli --cluster reshard` does them):
+        SETSLOT IMPORTING on the target, MIGRATING on the source, then MIGRATE of `share` of the
+        slot's keys, so that the slot stays with its keys split between the two nodes until
+        `end_slot_move`. Returns how many keys moved."""
+        self.client(target).execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", self.node_id(source))
+        self.client(source).execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", self.node_id(target))
+        keys = self.client(source).execute_command("CLUSTER", "GETKEYSINSLOT", slot, 1000)
+        moving = keys[: int(len(keys) * share)]
+        self._migrate(source, target, moving)
+        return len(moving)
+
+    def end_slot_move(self, slot: int, source: ManagedProcess, target: ManagedProcess) -> None:
+        """The last steps: MIGRATE every key left in `slot` on `source`, then SETSLOT NODE
+        `target` on the target, the source and every other primary."""
+        while keys := self.client(source).execute_command("CLUSTER", "GETKEYSINSLOT", slot, 1000):
+            self._migrate(source, target, keys)
+        owner = self.node_id(target)
+        for node in [target, source, *(n for n in self.live_primaries() if n not in (target, source))]:
+            self.client(node).execute_command("CLUSTER", "SETSLOT", slot, "NODE", owner)
+
+    def _migrate(self, source: ManagedProcess, target: ManagedProcess, keys: list) -> None:
+        if keys:  # REPLACE: a single-key command sent with ASKING may have made one on the target
+            self.client(source).execute_command("MIGRATE", "127.0.0.1", target.port, "", 0, 5000, "REPLACE", "KEYS", *keys)
+
     def stop(self) -> None:
         for node in reversed(self.nodes):
             node.stop()

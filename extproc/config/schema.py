@@ -514,8 +514,9 @@ class RedisSettings(_Strict):
     seconds. `outage_policy` (docs/routing-state.md "When Redis is gone"): `degrade` sends new traffic to pairs
     without an in-flight limit only, `local_share` also lets each instance hold up to its share of
     a managed pair (every lease it holds there counts), `fail_closed` answers 503. The breaker
-    opens after `breaker_failures_in_a_row` failed Redis calls in a row (a call that found the
-    connection pool busy is load, not a failure, and does not count).
+    opens after `breaker_failures_in_a_row` failed Redis calls in a row of one model (its hash
+    tag's slot), or of the fleet's keys, for that scope only (a call that found the connection
+    pool busy is load, not a failure, and does not count).
 `epoch_grace_seconds`: after Redis lost its state (a new epoch), managed pairs take no new
     admission until this long after the epoch was written (Redis time), so that every instance
     has adopted its running leases first; None (default): 2 x max(probe_interval_seconds,

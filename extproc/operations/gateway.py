@@ -151,7 +151,7 @@ class Gateway:
         routing state's epoch (a change adopts every lease held: extproc.routing.lease_table)."""
         try:
             await self.registry.heartbeat()
-            if not self.breaker.is_open:
+            if not self.breaker.fleet_open:
                 await self.leases.refresh_epoch()
             self.breaker.record_success()
         except REDIS_FAILURES as exc:
@@ -170,16 +170,22 @@ class Gateway:
         return tuple(keys.queue_wake(m) for m in config.models() if config.routing.queue.enabled(m))
 
     async def _probe_once(self) -> None:
-        """While the breaker is open, probe Redis; when it answers, the lease table adopts what
-        is held and shared routing resumes (scripts reload by themselves on NOSCRIPT)."""
-        if not self.breaker.is_open or not await self.breaker.probe():
+        """While a scope of the breaker is open (the fleet's, or a model's), the lease table tries
+        to recover each: what Redis serves again adopts what is held and routes through Redis
+        again, what it does not stays open (scripts reload by themselves on NOSCRIPT)."""
+        if not self.breaker.is_open:
             return
         try:
             await self.degraded.refresh()
+        except REDIS_FAILURES as exc:  # a dead shard's flags: its models stay open, the others recover
+            log.info("degraded flags not refreshed before the recovery: %s", exc)
+        try:
             adopted = await self.leases.recover()
         except REDIS_FAILURES:
             return
-        log.info("shared routing resumed; %d local leases adopted into Redis", adopted)
+        if adopted or not self.breaker.is_open:
+            log.info("shared routing resumed (%s still open); %d local leases adopted into Redis",
+                     sorted(self.breaker.open_models) or "no model", adopted)
 
     def apply_config(self, new: Config) -> None:
         """ConfigReceiver: build everything `new` needs (API keys read), then swap it in without

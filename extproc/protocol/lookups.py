@@ -66,13 +66,11 @@ async def route_lookup(
     `tracing_on`: a provider that gets no trace context loses the client's, as a generation
     does (extproc.protocol.tracing)."""
     retry_after = live.config.server.retry_after_seconds
-    if breaker.is_open:
+    if breaker.fleet_open:
         return answers.refusal(Refusal.UNAVAILABLE, "", retry_after, 0.0), None
     try:
         found = await in_own_task(live.chains.find(identity, lookup.response_id, live.responses_models))
-        breaker.record_success()
-    except REDIS_FAILURES as exc:
-        breaker.record_failure(exc)
+    except REDIS_FAILURES:  # every model's keys: not one model's failure (the breaker counts per model)
         return answers.refusal(Refusal.UNAVAILABLE, "", retry_after, 0.0), None
     if found is None or found[1].provider is None:  # unknown, expired, another identity's, or not stored
         return answers.response_not_found(lookup.response_id), None

@@ -314,12 +314,12 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
         link = None
         previous = previous_response_id(parsed)
         breaker = self.breaker
-        if previous is not None and not breaker.is_open:
+        if previous is not None and not breaker.open_for(parsed.model):
             try:
                 link = await in_own_task(self._chain_of(parsed.model, stream.identity, previous))
-                breaker.record_success()
+                breaker.record_success(parsed.model)
             except REDIS_FAILURES as exc:
-                breaker.record_failure(exc)
+                breaker.record_failure(exc, parsed.model)
         key = self.sessions.session(stream.signals, parsed, stream.identity, link.session_id if link else None)
         stream.session_id = key.session_id
         stream.stores_response = parsed.feature == "responses" and parsed.body.get("store") is not False
@@ -416,7 +416,7 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
         remove), or (None, None) when none applies. A compressed body is neither read nor
         rewritten. BUFFERED only for a JSON answer of a known length of at most
         WHOLE_BODY_MAX_BYTES; otherwise STREAMED, without content-length when it is rewritten."""
-        reads_id = stream.decision is not None and stream.reads_response_id and not self.breaker.is_open
+        reads_id = stream.decision is not None and stream.reads_response_id and not self.breaker.open_for(stream.model)
         reads_status = stream.lookup is not None and stream.lookup.lookup.action in ("retrieve", "cancel")
         counts_usage = stream.decision is not None and self._counts_usage(stream.decision.provider)
         if not (reads_id or reads_status or counts_usage or stream.upstream_model is not None):
@@ -452,7 +452,7 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
             try:
                 await in_own_task(self.chains.forget(routed.model, routed.identity, routed.lookup.response_id))
             except REDIS_FAILURES as exc:
-                self.breaker.record_failure(exc)
+                self.breaker.record_failure(exc, routed.model)
                 log.warning("response chain not forgotten after a delete (redis): %s", exc)
 
     def _counts_usage(self, provider: Provider) -> bool:
@@ -511,7 +511,7 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
             self._keep_chain(stream)
             metrics.CHAINS_RECORDED.inc()
         except REDIS_FAILURES as exc:
-            self.breaker.record_failure(exc)
+            self.breaker.record_failure(exc, stream.model)
             log.warning("response chain not recorded (redis): %s", exc)
 
     def _end_stream(self, stream: StreamState) -> None:

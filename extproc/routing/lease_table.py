@@ -41,12 +41,16 @@ epoch within a heartbeat or a probe and adopts its running leases meanwhile, and
 admissions count against them. During the grace decisions follow the outage policy without
 local shares (unlimited pairs only; `fail_closed`: 503).
 
-During an outage (the breaker open) the outage policy (extproc.routing.outage) chooses a provider and the
-table holds a local lease for a pair with an in-flight limit. `recover` (called when the probe
-reaches Redis) adopts every lease held (the local ones without a capacity check, the Redis ones
-that expired meanwhile within their pair's limits, as above), closes the breaker so new
-decisions go to Redis, then adopts again until nothing local is left. `drain` releases
-everything still held.
+During an outage (the breaker open for the request's model, or for the fleet) the outage policy
+(extproc.routing.outage) chooses a provider and the table holds a local lease for a pair with an
+in-flight limit. The breaker counts failures per model (its keys' hash tag: one Cluster slot), so
+a shard that is down, or a slot being moved, costs only its models: the leases of every other
+model keep renewing, and their decisions keep going to Redis. `recover` (called by the probe
+while a scope is open) brings back the fleet's scope (the epoch), then each model on its own:
+it adopts every lease of the model held (the local ones without a capacity check, the Redis
+ones that expired meanwhile within their pair's limits, as above), closes the model's scope so new decisions go to Redis,
+then adopts again until nothing local of it is left; a model Redis does not serve yet stays open
+and holds up no other. `drain` releases everything still held.
 """
 
 from __future__ import annotations
@@ -202,18 +206,20 @@ class LeaseTable:
     ) -> Held | Rejection | Refusal:
         """Decide through Redis (within `server.decision_timeout_seconds`, plus the request's
         `max_wait_ms` when it may wait in the admission queue), or through the outage policy while
-        the breaker is open or when this decision's Redis calls failed. A decision cancelled while
-        its request waits in the queue is abandoned like any other: its ticket goes with its ids.
+        the breaker is open for its model (or the fleet) or when this decision's Redis calls
+        failed. A decision cancelled while its request waits in the queue is abandoned like any
+        other: its ticket goes with its ids.
         `router` and `state` (default: the table's) are one config's pair (extproc.operations.reload).
         Raises asyncio.CancelledError when the stream is cancelled (its ids are abandoned)."""
         router, state = router or self.router, state or self.state
-        if self.breaker.is_open:
+        if self.breaker.open_for(request.model):
             return self._decide_locally(request, state)
         if self.rebuilding:
             return self._decide_locally(request, state, shares=False)
         ids = Ids.fresh()
         admission = None
         seen = EpochSeen()
+        scope: str | None = request.model  # whose failure it is: the model's keys, or the epoch's (None)
         # A request that may wait in the admission queue (docs/queue.md) has its wait on top.
         timeout = self.config.server.decision_timeout_seconds + router.queue_wait_seconds(request)
         try:
@@ -230,6 +236,7 @@ class LeaseTable:
                 if epoch_read is None and not seen.only(self.epoch):
                     epoch_read = self._epoch_read_shared()  # Redis lost its state, or nothing was read
                 if epoch_read is not None:
+                    scope = None
                     await self._epoch_read_after(epoch_read)
             if self.rebuilding:  # Redis lost its state: what was admitted may count on nothing
                 self._abandon(request, ids, state)
@@ -243,13 +250,13 @@ class LeaseTable:
             if is_pool_exhausted(exc):
                 return Refusal.OVERLOADED
             metrics.child(metrics.REDIS_ERRORS, "decision").inc()
-            self.breaker.record_failure(exc)
+            self.breaker.record_failure(exc, scope)
             return self._decide_locally(request, state)
         except BaseException:
             router.wakeups.abandon(ids.lease_id)  # a wait in the admission queue ends now: its ticket goes
             self._abandon(request, ids, state, admission)
             raise
-        self.breaker.record_success()
+        self.breaker.record_success(request.model)
         if isinstance(outcome, Rejection):
             return outcome
         return self._hold(outcome, local=False, state=state)
@@ -401,7 +408,7 @@ class LeaseTable:
             interval = self._lease_timeout(held) / 3
             if held.renew_at > now + interval / 2:
                 continue
-            if held.local or self.breaker.is_open:
+            if held.local or held.lease.model in self.breaker.open_models:  # that model's recovery adopts it
                 held.unconfirmed = held.unconfirmed or not held.local
                 held.renew_at = now + interval
                 continue
@@ -429,7 +436,7 @@ class LeaseTable:
             except REDIS_FAILURES as exc:
                 updates = [exc] * len(batch)
                 metrics.child(metrics.REDIS_ERRORS, "renew").inc()
-                self.breaker.record_failure(exc)
+                self.breaker.record_failure(exc, batch[0].lease.model)
                 log.warning("lease renewal of %d leases failed, their requests keep running: %s", len(batch), exc)
             await asyncio.gather(*(self._settle_renewal(held, update, at) for held, update, at in zip(batch, updates, sent)))
         except Exception:  # noqa: BLE001 (no renewal may stop: the leases would expire under running requests)
@@ -578,28 +585,35 @@ class LeaseTable:
                 self._adoption_pending = False
                 log.warning("every held lease is adopted into the new epoch")
                 return
+            unreachable: set[str] = set()  # models whose adoption failed in this round: the others go on
             for held in pending:
-                if self.breaker.is_open:
-                    break
+                model = held.lease.model
+                if model in unreachable or self.breaker.open_for(model):
+                    unreachable.add(model)
+                    continue
                 try:
                     await self._adopt(held)
                 except REDIS_FAILURES as exc:
-                    log.warning("adoption into the new epoch interrupted, retrying: %s", exc)
-                    break
-            else:
-                continue
-            await asyncio.sleep(self.retry_seconds)
+                    log.warning("adoption of model %s into the new epoch interrupted, retrying: %s", model, exc)
+                    unreachable.add(model)
+            if unreachable:
+                await asyncio.sleep(self.retry_seconds)
 
-    async def adopt_held(self, include_shared: bool) -> int:
-        """Adopt every local lease held (and, with `include_shared`, every Redis lease too:
-        harmless for one Redis still has). Returns how many were adopted. Raises RedisError."""
+    async def adopt_held(self, model: str, include_shared: bool) -> int:
+        """Adopt every local lease of `model` held (and, with `include_shared`, every Redis lease
+        of it too: harmless for one Redis still has). Returns how many were adopted. Raises
+        RedisError at the first lease Redis does not take (one model's keys live in one slot)."""
         adopted = 0
         for held in list(self._held):
-            if held.lease is None or held.ended or not (held.local or include_shared):
+            if held.lease is None or held.lease.model != model or held.ended or not (held.local or include_shared):
                 continue
             await self._adopt(held)
             adopted += 1
         return adopted
+
+    def _models_held(self) -> set[str]:
+        """The models of the leases held."""
+        return {held.lease.model for held in self._held if held.lease is not None and not held.ended}
 
     def _state_for(self, held: Held) -> RoutingState | None:
         """The routing state that knows `held`'s pair: the one it was admitted with, else the
@@ -654,20 +668,47 @@ class LeaseTable:
         return True
 
     async def recover(self) -> int:
-        """Redis answers again: adopt every lease held (local ones, and Redis ones it may have
-        let expire or lost), close the breaker so new decisions go to Redis, then adopt until
-        nothing local is left. Returns the local leases adopted. Raises RedisError (the breaker
-        is then open again)."""
+        """Redis answers again, for some scopes at least (extproc.routing.outage.RedisBreaker):
+        when the fleet's scope is open, read the epoch and, when it answers, open the scope of
+        every model held (its leases were decided locally, or renewed without the epoch) and
+        close the fleet's; then recover each model whose scope is open (`_recover_model`), all at
+        once, so a model Redis does not serve yet (a dead shard, a slot being moved) holds up no
+        other (while the fleet's scope stays open too: their leases renew again, their decisions
+        wait for the epoch). Returns the local leases adopted. Raises RedisError when the epoch
+        cannot be read (the fleet's scope stays open), after the models' recovery."""
+        fleet_error: BaseException | None = None
+        if self.breaker.fleet_open:
+            try:
+                await self.refresh_epoch(adopt_on_change=False)
+            except REDIS_FAILURES as exc:
+                self.breaker.trip(exc)
+                fleet_error = exc
+            else:
+                for model in self._models_held():
+                    self.breaker.hold_until_recovered(model)
+                self.breaker.close()
+        recovered = await asyncio.gather(*(self._recover_model(model) for model in sorted(self.breaker.open_models)))
+        if fleet_error is not None:
+            raise fleet_error
+        return sum(recovered)
+
+    async def _recover_model(self, model: str) -> int:
+        """Adopt every lease of `model` held (local ones, and Redis ones it may have let expire or
+        lost; when none is held, a probe call on the model's keys stands in), close the model's
+        scope so new decisions go to Redis, then adopt until nothing local of it is left. Returns
+        the local leases adopted; on a Redis failure the model's scope stays open (the next probe
+        tries again). Raises nothing but a cancellation."""
+        before = sum(1 for held in self._held if held.local and held.lease is not None and held.lease.model == model)
         try:
-            await self.refresh_epoch(adopt_on_change=False)
-            before = self.local_leases
-            await self.adopt_held(include_shared=True)
-            self.breaker.close()
-            while self.local_leases:
-                await self.adopt_held(include_shared=False)
+            if not await self.adopt_held(model, include_shared=True):
+                await self.state.probe(model)
+            self.breaker.close(model)
+            while await self.adopt_held(model, include_shared=False):
+                pass
         except REDIS_FAILURES as exc:
-            self.breaker.trip(exc)
-            raise
+            self.breaker.trip(exc, model)
+            log.info("routing state of model %s not reachable yet: %s", model, exc)
+            return 0
         return before
 
     # ---- draining -----------------------------------------------------------------------

@@ -22,13 +22,14 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable
 
 from redis.asyncio import Redis
 
 from extproc.config import Config, Provider
 from extproc.routing.router import Rejection, RejectionKind, Router, RoutingRequest
-from extproc.storage.client import REDIS_FAILURES, is_pool_exhausted, redis_time_ms
+from extproc.storage.client import is_pool_exhausted, redis_time_ms
 from extproc.storage.keys import Keyspace
 
 log = logging.getLogger(__name__)
@@ -119,49 +120,73 @@ class OutagePolicy:
 
 class RedisBreaker:
     """Open after `failures_in_a_row` failed Redis calls in a row (pool exhaustion excluded), so
-    decisions stop waiting on Redis; a success resets the run. The lease table's recovery closes
-    it once Redis answers again."""
+    decisions stop waiting on Redis; a success resets the run. Failures are counted per scope, so
+    that a shard's trouble costs only what lives there (issue 29): the scope of a model (its keys
+    share one hash tag, so one Cluster slot: decisions, renewals, adoptions and chain records of
+    the model) and the fleet's scope (`model=None`: the epoch and the instance registry, tag
+    `{prefix}`). An open model scope sends that model's decisions to the outage policy and stops
+    its renewals; an open fleet scope sends every model's decisions there (without the epoch no
+    decision can be checked) but stops no renewal. The lease table's recovery closes each scope
+    once Redis serves it again (extproc.routing.lease_table.LeaseTable.recover: its adoptions, or
+    a probe call on the model's keys, are the probes; `redis` is not asked here any more and
+    stays for the callers)."""
 
     def __init__(self, redis: Redis, failures_in_a_row: int = 3):
         self.redis = redis
         self.failures_in_a_row = failures_in_a_row
-        self.failures = 0
+        self.failures: Counter[str | None] = Counter()  # the current run of failures per scope
         self.failures_seen = 0  # every failure since start (the lease table's epoch grace asks)
-        self.open_since: float | None = None
+        self.open_since: dict[str | None, float] = {}  # scope -> monotonic s it opened
 
     @property
     def is_open(self) -> bool:
-        return self.open_since is not None
+        """Whether any scope is open (the gauge iris_redis_breaker_open)."""
+        return bool(self.open_since)
 
-    def record_failure(self, error: BaseException) -> None:
-        """Count one failed call (a RedisError or a timeout). A busy pool is not counted."""
+    @property
+    def fleet_open(self) -> bool:
+        """Whether the fleet's scope is open: every decision follows the outage policy."""
+        return None in self.open_since
+
+    @property
+    def open_models(self) -> frozenset[str]:
+        """The models whose own scope is open."""
+        return frozenset(scope for scope in self.open_since if scope is not None)
+
+    def open_for(self, model: str) -> bool:
+        """Whether `model`'s decisions follow the outage policy (its scope or the fleet's is open)."""
+        return model in self.open_since or None in self.open_since
+
+    def record_failure(self, error: BaseException, model: str | None = None) -> None:
+        """Count one failed call (a RedisError or a timeout) of `model`'s scope (None: the
+        fleet's). A busy pool is not counted."""
         if is_pool_exhausted(error):
             return
-        self.failures += 1
+        self.failures[model] += 1
         self.failures_seen += 1
-        if self.failures >= self.failures_in_a_row:
-            self.trip(error)
+        if self.failures[model] >= self.failures_in_a_row:
+            self.trip(error, model)
 
-    def record_success(self) -> None:
-        self.failures = 0
+    def record_success(self, model: str | None = None) -> None:
+        self.failures[model] = 0
 
-    def trip(self, error: BaseException) -> None:
-        """Open now (outage policy in force)."""
+    def trip(self, error: BaseException, model: str | None = None) -> None:
+        """Open `model`'s scope (None: the fleet's) now (outage policy in force there)."""
         self.failures_seen += 1
-        if self.open_since is None:
-            log.warning("routing state unreachable (%s): outage policy in force", type(error).__name__)
-            self.open_since = time.monotonic()
+        if model not in self.open_since:
+            what = "routing state" if model is None else f"routing state of model {model}"
+            log.warning("%s unreachable (%s): outage policy in force", what, type(error).__name__)
+            self.open_since[model] = time.monotonic()
 
-    async def probe(self) -> bool:
-        """Ping Redis. Returns whether it answered."""
-        try:
-            await self.redis.ping()
-        except REDIS_FAILURES:
-            return False
-        return True
+    def hold_until_recovered(self, model: str) -> None:
+        """Open `model`'s scope, no failure counted, until its recovery adopts what it holds
+        (the fleet's scope closes: the model's leases were decided or renewed without it)."""
+        self.open_since.setdefault(model, time.monotonic())
 
-    def close(self) -> None:
-        self.failures = 0
-        if self.open_since is not None:
-            log.warning("routing state reachable again after %.1f s", time.monotonic() - self.open_since)
-            self.open_since = None
+    def close(self, model: str | None = None) -> None:
+        """Close `model`'s scope (None: the fleet's)."""
+        self.failures[model] = 0
+        opened = self.open_since.pop(model, None)
+        if opened is not None:
+            what = "routing state" if model is None else f"routing state of model {model}"
+            log.warning("%s reachable again after %.1f s", what, time.monotonic() - opened)

@@ -182,6 +182,7 @@ SCRIPT_NAMES = (
     "abandon",
     "queue_leave",
     "admit_share",
+    "probe",
 )
 
 # The scripts that take the admission queue's keys when it is on for the model (lua/queue.lua):
@@ -570,6 +571,14 @@ class RoutingState:
             queue = QueueArgs(queue.class_rank, queue.may_use_reserved, "", lease_id, "none", queue.max_depth)
         reply = await self._call("abandon", model, session_id or "", [lease_id, pin_id], now_ms, queue=queue)
         return LeaseUpdate(Result(_text(reply[0])), None, int(reply[1]))
+
+    async def probe(self, model: str) -> None:
+        """Whether Redis serves `model`'s keys now (lua/probe.lua: a call on them that changes
+        nothing): the keys of a new session's admission, so a slot being moved answers TRYAGAIN
+        as that admission would (the breaker's probe, extproc.routing.lease_table). A model this
+        state does not know is not asked. Raises RedisError when Redis does not serve them."""
+        if model in self._model_keys:
+            await self._call("probe", model, new_id(), [], None)
 
     async def leave_queue(self, model: str, queue: QueueArgs, *, now_ms: int | None = None) -> LeaseUpdate:
         """Remove the ticket `queue.ticket` from every queue of `model` (lua/queue_leave.lua): a

@@ -22,7 +22,8 @@ Topologies, from `extproc.config.RedisSettings` (`open_pipelined`), as `open_red
 a standalone Redis (`url`, `redis://` or `rediss://`, `user:password@`, `/db`), a Redis Cluster
 (`cluster.nodes`: the slot map from CLUSTER SLOTS, keys routed by hash slot with hash tags
 honoured, MOVED followed with a map refresh and ASK with ASKING, at most `MAX_REDIRECTIONS`
-times; a node that fails refreshes the map from another node), or a primary behind Sentinel
+times; TRYAGAIN, a slot move under way, retried with a backoff until the call's deadline; a node
+that fails refreshes the map from another node), or a primary behind Sentinel
 (`sentinel`: SENTINEL get-master-addr-by-name, ROLE checked on connect, asked again after a
 connection error, a READONLY reply or a stall). AUTH (`username`, `password_env`) as `open_redis`
 applies it, and TLS from the same owner (extproc.storage.tls) to every connection: each node, the
@@ -65,7 +66,15 @@ from extproc.storage.client import host_port, secret_from_env
 from extproc.storage.tls import redis_tls
 
 MAX_REDIRECTIONS = 5
-"""MOVED / ASK / TRYAGAIN replies followed per call before the last one is raised."""
+"""MOVED / ASK replies followed per call before the last one is raised."""
+
+TRYAGAIN_BACKOFF_SECONDS = (0.01, 0.1)
+"""After a TRYAGAIN reply (a multi-key call on a slot being moved whose keys are split between
+the two nodes, or missing: Redis Cluster specification, "Multi-keys operations") a call waits the
+first value, doubled after each further TRYAGAIN up to the second (seconds), and goes again to the
+slot's owner, for as long as its deadline leaves room for the wait; then the TRYAGAIN is its
+answer (the caller sees TryAgainError). A slot move takes seconds: the caller decides what a call
+that could not wait it out means (extproc.routing.outage.RedisBreaker counts it for its model)."""
 
 RECONNECT_BACKOFF_SECONDS = (0.05, 1.0)
 """After a failed connect a node refuses calls at once (PipelinedConnectionError) for the first
@@ -676,8 +685,9 @@ class SentinelPrimary(Topology):
 class Cluster(Topology):
     """A Redis Cluster known from `seeds` ((host, port) pairs): keys go to the primary owning
     their hash slot (CLUSTER SLOTS); MOVED updates that slot and refreshes the map, ASK sends
-    ASKING and the command to the node named, TRYAGAIN waits a moment; at most
-    MAX_REDIRECTIONS of them per call. A node whose connection fails makes the map be asked
+    ASKING and the command to the node named, at most MAX_REDIRECTIONS of them per call;
+    TRYAGAIN goes again to the slot's owner after a backoff (TRYAGAIN_BACKOFF_SECONDS) while
+    the call's deadline leaves room. A node whose connection fails makes the map be asked
     again from the other nodes (at most every REFRESH_INTERVAL_SECONDS). A slot no node
     serves raises PipelinedConnectionError."""
 
@@ -702,34 +712,47 @@ class Cluster(Topology):
 
     async def run(self, client, key, commands, deadline):
         slot = key_slot(_key_bytes(key)) if key is not None else 0
-        node = self.slots[slot]
-        if node is None:
-            await _until(self._refresh(wait=not self._known), deadline)
-            node = self.slots[slot]
-            if node is None:
-                raise PipelinedConnectionError(f"no node of the cluster serves slot {slot}")
-        asking = False
-        for _ in range(MAX_REDIRECTIONS):
+        node = await self._owner(slot, deadline)
+        asking, redirections, backoff = False, 0, TRYAGAIN_BACKOFF_SECONDS[0]
+        while True:
             try:
                 replies = await client._send(node, commands, deadline, asking)
             except RedisConnectionError:
                 self._refresh_soon()  # also while the node refuses calls in its backoff
                 raise
             error = replies[0]
-            if type(error) is MovedError or type(error) is AskError:
-                self.redirections += 1
+            if type(error) is TryAgainError:  # a multi-key command during a slot move
+                if asyncio.get_running_loop().time() + backoff >= deadline:
+                    return replies
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, TRYAGAIN_BACKOFF_SECONDS[1])
+                # From the slot's owner again (the move may have ended): its ASK is followed anew.
+                node, asking, redirections = await self._owner(slot, deadline), False, 0
+                continue
+            if type(error) is not MovedError and type(error) is not AskError:
+                return replies
+            self.redirections += 1
+            redirections += 1
+            if redirections >= MAX_REDIRECTIONS:
+                return replies
             if type(error) is MovedError:
                 node = self.node(*error.node_addr)
                 self.slots[error.slot_id] = node
                 self._refresh_soon()
                 asking = False
-            elif type(error) is AskError:
-                node, asking = self.node(*error.node_addr), True
-            elif type(error) is TryAgainError:  # a multi-key command during a migration
-                await _until(asyncio.sleep(0.01), deadline)
             else:
-                return replies
-        return replies
+                node, asking = self.node(*error.node_addr), True
+
+    async def _owner(self, slot: int, deadline: float) -> _Node:
+        """The node serving `slot`, asking for the map when none is known. Raises
+        PipelinedConnectionError (no node serves it), PipelinedTimeoutError."""
+        node = self.slots[slot]
+        if node is None:
+            await _until(self._refresh(wait=not self._known), deadline)
+            node = self.slots[slot]
+            if node is None:
+                raise PipelinedConnectionError(f"no node of the cluster serves slot {slot}")
+        return node
 
     def _node_failed(self, node: _Node) -> None:
         self._refresh_soon()

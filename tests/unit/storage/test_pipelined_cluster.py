@@ -146,3 +146,34 @@ async def test_a_primary_killed_mid_pipeline(doomed_cluster):
         assert client.topology.slots[key_slot(victim_key.encode())].port == promoted.port != victim.port
     finally:
         await client.aclose()
+
+
+async def test_tryagain_during_a_slot_move_is_retried_within_the_calls_deadline(cluster):
+    """Issue 29 item 3: a multi-key call on a slot whose keys are split by a move answers
+    TRYAGAIN for as long as the move lasts (seconds). The client goes again, with a backoff,
+    while the call's deadline leaves room: a move that ends within it is invisible to the caller;
+    one that outlasts it is a TryAgainError at the deadline (the caller's breaker counts it). It
+    gave up after 5 x 10 ms before."""
+    from redis.exceptions import TryAgainError
+
+    client = client_for(cluster, seeds=len(cluster.seeds), timeout_seconds=1.5)
+    tag = "{moving-slot}"
+    present, missing = f"{tag}:present", f"{tag}:missing"
+    slot = key_slot(present.encode())
+    two_keys = LuaScript("return #KEYS")
+    try:
+        assert await client.execute("SET", present, "x", key=present) == b"OK"
+        source = cluster.primary_for(present)
+        target = next(n for n in cluster.live_primaries() if n.port != source.port)
+        cluster.begin_slot_move(slot, source, target, share=0.0)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        with pytest.raises(TryAgainError):  # the move outlasts the call: TRYAGAIN at its deadline
+            await client.evalsha(two_keys, [present, missing], [], timeout=0.4)
+        assert 0.3 <= loop.time() - started < 1.0
+        loop.call_later(0.3, cluster.end_slot_move, slot, source, target)
+        started = loop.time()
+        assert await client.evalsha(two_keys, [present, missing], []) == 2  # the move ended within the deadline
+        assert 0.25 <= loop.time() - started < 1.5
+    finally:
+        await client.aclose()
