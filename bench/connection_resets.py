@@ -1,6 +1,6 @@
 """Requests lost to connection resets between Envoy and real engines (issue 30, item 6).
 
-    python -m bench.connection_resets [--requests 300] [--clients 4] [--engines 2] [--front gateway|envoy]
+    python -m bench.connection_resets [--requests 300] [--clients 4] [--engines 2] [--front gateway|envoy] [--tiny] [--json PATH]
 
 Short streamed chats (`--max-tokens`, default 2) through the gateway (`gateway`: Envoy + ext_proc +
 Redis, the pool of llama-servers as one managed provider, envoy/envoy.yaml's cluster, as
@@ -9,7 +9,9 @@ bench.real_engines runs it) or plain Envoy round robin (`envoy`: bench.common.po
 the clients' outcomes (`200 <provider>`, `<status> <code>`), Envoy's access log of the chats by
 (status, response flags, details), and the pool cluster's connection counters (upstream
 connections, those closed by the engine under a request, retries). `--engine-url` (repeated)
-uses engines already running instead of starting `--engines` fresh ones.
+uses engines already running instead of starting `--engines` fresh ones. Figures:
+`answered_by_engines`, `resets` (the access log's 503s with flag UC) and `closed_under_request`
+(`upstream_cx_destroy_remote_with_active_rq`). `--tiny`: 24 requests, 2 at a time, one engine.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Any
 
 import httpx
 
-from bench.common import plain_envoy_bootstrap, pool_cluster, start_envoy, wait_http_ready
+from bench.common import plain_envoy_bootstrap, pool_cluster, print_figure, start_envoy, wait_http_ready, write_json
 from irislab.engines import MODEL_NAME, LlamaServer
 from irislab.local_gateway import LocalGateway, ProviderSimulation
 from irislab.processes import free_port
@@ -120,7 +122,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--engine-url", action="append", default=[], help="an engine already running (repeat; replaces --engines)")
     parser.add_argument("--max-tokens", type=int, default=2)
     parser.add_argument("--front", choices=("gateway", "envoy"), default="gateway")
+    parser.add_argument("--tiny", action="store_true", help="24 requests, 2 at a time, one engine (for the smoke test)")
+    parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args(argv)
+    if args.tiny:
+        args.requests, args.clients, args.engines = 24, 2, 1
     with tempfile.TemporaryDirectory(prefix="bench-resets-") as folder:
         work = Path(folder)
         engines = [] if args.engine_url else [LlamaServer(work / "engines", parallel=2, name=f"resets-llama-{i}") for i in range(args.engines)]
@@ -134,6 +140,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"{args.requests} streamed chats, {args.clients} at a time, through {args.front}")
     for title in ("outcomes", "access_log", "stats"):
         print(f"{title}: {json.dumps(dict(result[title]), sort_keys=True)}")
+    print_figure("answered_by_engines", sum(n for outcome, n in result["outcomes"].items() if outcome in ("200 iris-1", "200 pool")))
+    print_figure("resets", sum(n for entry, n in result["access_log"].items() if entry.startswith("503 UC")))
+    print_figure("closed_under_request", result["stats"]["upstream_cx_destroy_remote_with_active_rq"])
+    write_json(args.json, {"args": {k: str(v) for k, v in vars(args).items()}, **{k: dict(v) for k, v in result.items()}})
     return result
 
 
