@@ -233,15 +233,17 @@ def set_connection_reuse(cluster: dict[str, Any], provider: Provider) -> dict[st
     """`cluster` (modified in place and returned) with its upstream HTTP/1.1 connections reused
     or not, by `provider`'s kind, in the cluster's `HttpProtocolOptions`:
 
-    - managed: one request per connection (`common_http_protocol_options.
-      max_requests_per_connection: 1`). llama.cpp's server announces keep-alive on a streamed
-      answer, then closes the connection right after its last chunk; Envoy returns the connection
+    - managed, over HTTP/1.1 (the template's `explicit_http_config`, HTTP/1.1 when it has none):
+      one request per connection (`common_http_protocol_options.max_requests_per_connection:
+      1`). llama.cpp's server announces keep-alive on a streamed answer, then closes the
+      connection right after its last chunk; Envoy returns the connection
       to its pool at that last chunk and may send the next request on it before it reads the
       close: the request is lost (503, flag UC, `upstream_reset_before_response_started
       {connection_termination}`), and no retry is safe, since it was sent. A new connection per
       request never meets a connection the engine is closing; a connection refused is retried
       (the route's `connect-failure`), nothing having been sent. Its cost is one TCP handshake
       per request to a replica (docs/operations.md "Upstream connections").
+    - managed over HTTP/2: as the template says (streams share connections).
     - unlimited: reused (a third party over TLS would pay a handshake per request), the
       template's `idle_timeout` closing them before its keep-alive does.
 
@@ -251,9 +253,10 @@ def set_connection_reuse(cluster: dict[str, Any], provider: Provider) -> dict[st
     options = cluster.setdefault("typed_extension_protocol_options", {}).setdefault(HTTP_OPTIONS, {"@type": HTTP_OPTIONS_TYPE})
     options.setdefault("explicit_http_config", {"http_protocol_options": {}})
     common = options.setdefault("common_http_protocol_options", {})
-    if provider.kind is ProviderKind.MANAGED:
+    http1 = "http_protocol_options" in (options.get("explicit_http_config") or {})  # HTTP/2 multiplexes: left as it is
+    if provider.kind is ProviderKind.MANAGED and http1:
         common["max_requests_per_connection"] = 1
-    else:
+    elif provider.kind is not ProviderKind.MANAGED:
         common.pop("max_requests_per_connection", None)
     return cluster
 
