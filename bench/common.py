@@ -268,10 +268,11 @@ def pool_cluster(name: str, ports: Sequence[int], lb_policy: str) -> dict[str, A
         "connect_timeout": "2s",
         "lb_policy": lb_policy,
         "per_connection_buffer_limit_bytes": 33554432,
-        # As envoy/envoy.yaml's provider clusters: closed before the engines close idle connections.
+        # As envoy/envoy.yaml's own providers' clusters: one request per connection (llama.cpp's
+        # server closes a connection after a streamed answer: docs/operations.md "Upstream connections").
         "typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
             "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-            "common_http_protocol_options": {"idle_timeout": "4s"},
+            "common_http_protocol_options": {"idle_timeout": "4s", "max_requests_per_connection": 1},
             "explicit_http_config": {"http_protocol_options": {}}}},
         "load_assignment": {
             "cluster_name": name,

@@ -22,7 +22,8 @@ routing config:
   replica above 1.5 x the pool's mean of active requests passes a new request to the next replica
   of the hash), LEAST_REQUEST otherwise;
   the template's provider settings (timeouts, buffer limit, HTTP options, circuit breakers); for a
-  managed provider, Envoy's own health check of each replica and outlier detection, so that a
+  managed provider, one request per upstream connection (`set_connection_reuse`: an engine that
+  closes a connection after a streamed answer never gets a request on it), Envoy's own health check of each replica and outlier detection, so that a
   failed replica leaves the hash ring and only its sessions move; a `sessionless_cluster` over
   the same replicas balancing by least request;
 - a provider without `endpoints` keeps the template's cluster of that name; every other cluster
@@ -64,6 +65,8 @@ TLS_CONTEXT_TYPE = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v
 SYSTEM_CA_FILE = "/etc/ssl/certs/ca-certificates.crt"  # the system's CA bundle in Envoy's image (Debian, Ubuntu)
 SOCKET_MATCH_FILTER = "envoy.transport_socket_match"  # the endpoint metadata Envoy matches transport_socket_matches on
 SOCKET_MATCH_KEY = "host"
+HTTP_OPTIONS = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+HTTP_OPTIONS_TYPE = "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
 
 
 class RenderError(ValueError):
@@ -208,6 +211,7 @@ def _provider_cluster(provider: Provider, name: str, prototype: dict[str, Any], 
     cluster: dict[str, Any] = {"name": name, "type": "STATIC" if all(_is_ip(host) for host, _ in addresses) else "STRICT_DNS"}
     cluster.update(copy.deepcopy(prototype))
     _set_balancing(cluster, provider, sessions)
+    set_connection_reuse(cluster, provider)
     if cluster["type"] == "STRICT_DNS":
         cluster["dns_lookup_family"] = "V4_PREFERRED"
     hosts = list(dict.fromkeys(host for host, _ in addresses))
@@ -238,6 +242,38 @@ def _set_balancing(cluster: dict[str, Any], provider: Provider, sessions: bool) 
     cluster["lb_policy"] = "MAGLEV" if hashed else "LEAST_REQUEST"
     if hashed:
         cluster["common_lb_config"] = {"consistent_hashing_lb_config": {"hash_balance_factor": HASH_BALANCE_FACTOR}}
+
+
+def set_connection_reuse(cluster: dict[str, Any], provider: Provider) -> dict[str, Any]:
+    """`cluster` (modified in place and returned) with its upstream HTTP/1.1 connections reused
+    or not, by `provider`'s kind, in the cluster's `HttpProtocolOptions`:
+
+    - managed, over HTTP/1.1 (the template's `explicit_http_config`, HTTP/1.1 when it has none):
+      one request per connection (`common_http_protocol_options.max_requests_per_connection:
+      1`). llama.cpp's server announces keep-alive on a streamed answer, then closes the
+      connection right after its last chunk; Envoy returns the connection
+      to its pool at that last chunk and may send the next request on it before it reads the
+      close: the request is lost (503, flag UC, `upstream_reset_before_response_started
+      {connection_termination}`), and no retry is safe, since it was sent. A new connection per
+      request never meets a connection the engine is closing; a connection refused is retried
+      (the route's `connect-failure`), nothing having been sent. Its cost is one TCP handshake
+      per request to a replica (docs/operations.md "Upstream connections").
+    - managed over HTTP/2: as the template says (streams share connections).
+    - unlimited: reused (a third party over TLS would pay a handshake per request), the
+      template's `idle_timeout` closing them before its keep-alive does.
+
+    Source: llama.cpp tools/server/server-http.cpp (the stream's provider returns false after
+    `sink.done()`, which cpp-httplib reads as cancelled and closes on), RFC 9112 section 9.3.1
+    (a request sent on a connection the server closes may not be retried unless idempotent)."""
+    options = cluster.setdefault("typed_extension_protocol_options", {}).setdefault(HTTP_OPTIONS, {"@type": HTTP_OPTIONS_TYPE})
+    options.setdefault("explicit_http_config", {"http_protocol_options": {}})
+    common = options.setdefault("common_http_protocol_options", {})
+    http1 = "http_protocol_options" in (options.get("explicit_http_config") or {})  # HTTP/2 multiplexes: left as it is
+    if provider.kind is ProviderKind.MANAGED and http1:
+        common["max_requests_per_connection"] = 1
+    elif provider.kind is not ProviderKind.MANAGED:
+        common.pop("max_requests_per_connection", None)
+    return cluster
 
 
 def _lb_endpoint(host: str, port: int, matched: bool) -> dict[str, Any]:

@@ -159,6 +159,42 @@ def test_the_templates_own_clusters_are_kept(tmp_path):
     assert_envoy_accepts(bootstrap, tmp_path)
 
 
+HTTP_OPTIONS = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+
+
+def connection_options(cluster: dict) -> dict:
+    return cluster["typed_extension_protocol_options"][HTTP_OPTIONS]["common_http_protocol_options"]
+
+
+def test_own_engines_get_a_connection_per_request_and_third_parties_reuse_theirs(tmp_path):
+    """Issue 30 item 6: llama.cpp's server closes a connection right after a streamed answer, so
+    a managed provider's clusters carry one request per connection; an unlimited provider's
+    rendered cluster reuses its connections (the template's first provider cluster, which every
+    rendered cluster copies, carries the setting: it is not inherited). A template whose provider
+    clusters have no HTTP options gets them, HTTP/1.1 as envoy.yaml's; an HTTP/2 one keeps
+    multiplexing."""
+    data = fleet()
+    data["providers"][2]["endpoints"] = ["https://api.tensorx.example"]
+    config = parse_config(data)
+    bootstrap = render(config, template())
+    clusters = {c["name"]: c for c in bootstrap["static_resources"]["clusters"]}
+    for name in ("pool", "pool-spread", "dyn", "iris-1", "iris-2"):  # rendered, and the template's own providers'
+        assert connection_options(clusters[name]) == {"idle_timeout": "4s", "max_requests_per_connection": 1}, name
+    assert connection_options(clusters["tensorx"]) == {"idle_timeout": "4s"}
+    assert_envoy_accepts(bootstrap, tmp_path)
+    bare = template()
+    for cluster in bare["static_resources"]["clusters"]:
+        if cluster["name"] != "extproc":
+            cluster.pop("typed_extension_protocol_options")
+    options = {c["name"]: c for c in render(config, bare)["static_resources"]["clusters"]}["pool"]["typed_extension_protocol_options"]
+    assert options == {HTTP_OPTIONS: {"@type": f"type.googleapis.com/{HTTP_OPTIONS}", "explicit_http_config": {"http_protocol_options": {}},
+                                      "common_http_protocol_options": {"max_requests_per_connection": 1}}}
+    http2 = template()  # a template whose provider clusters speak HTTP/2: its streams share connections, as it says
+    http2["static_resources"]["clusters"][1]["typed_extension_protocol_options"][HTTP_OPTIONS].update(
+        explicit_http_config={"http2_protocol_options": {}}, common_http_protocol_options={"idle_timeout": "4s"})
+    assert connection_options({c["name"]: c for c in render(config, http2)["static_resources"]["clusters"]}["pool"]) == {"idle_timeout": "4s"}
+
+
 def test_a_template_whose_shape_cannot_be_read_is_a_render_error():
     broken = template()
     broken["static_resources"]["clusters"][1] = ["iris-1"]
