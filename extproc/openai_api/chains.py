@@ -4,7 +4,7 @@ A Responses turn that sends `previous_response_id` continues a response stored o
 that produced it; an OpenAI-compatible server that never saw the id answers 404. So when a
 `/v1/responses` answer of a routed request passes, its response id is recorded in Redis:
 
-    {<prefix>:<model>}:response:<keyed hash of identity and response id> -> [session id, provider]
+    {<prefix>:<model>}:response:<keyed hash of identity and response id> -> [session id, provider, endpoint]
 
 inside the model's hash tag (a Redis Cluster keeps it in the slot of everything else the request
 touches), with a TTL of `pin_inactivity_timeout_seconds + lease_timeout_seconds`: as long as the
@@ -17,8 +17,11 @@ instead, started again by every answer that says it still runs, until an answer 
 (`completed`, `failed`, `cancelled`, `incomplete`): from then on the chain TTL applies. A refresh
 never shortens a record's life, except at such an end. The provider is recorded only when the
 response is stored (`store` is not false): a response that is not stored binds the next turn to
-nothing but its session. The key hashes the identity in, so another identity that learned the id
-finds nothing.
+nothing but its session. On a provider with affinity `pick` the endpoint (`ip:port`) the response
+was generated on is recorded with it ("" elsewhere): the replica that stores it, where lookups by
+id and chained turns go (docs/routing-state.md "Endpoint placement"); a record of two elements (an
+older release's) reads as one without an endpoint. The key hashes the identity in, so another
+identity that learned the id finds nothing.
 
 The id (and the status) are read from the response body as it passes, chunk by chunk, never
 held whole: the top-level `id` and `status` of the JSON answer, found by a scanner of the JSON's
@@ -48,11 +51,13 @@ RUNNING_STATUSES = frozenset({"queued", "in_progress"})  # a Responses object's 
 
 @dataclass(frozen=True, slots=True)
 class ChainLink:
-    """What a response id says: the session it was produced in (None: none) and the provider
-    that stores it (None: not stored, `store: false`)."""
+    """What a response id says: the session it was produced in (None: none), the provider that
+    stores it (None: not stored, `store: false`) and, on a provider with affinity pick, the
+    endpoint (`ip:port`) of the replica that stores it (None: not known, or not a pick pair)."""
 
     session_id: str | None
     provider: str | None
+    endpoint: str | None = None
 
 
 # Record (or refresh) one chain under the model's cap, atomically: KEYS record, the model's set of
@@ -150,7 +155,7 @@ class ResponseChains:
         """Remember `response_id` -> `link` for as long as the session's pin can live (`running`:
         as long as the background TTL, `ttl_for`). False when the model's records are at the cap
         (nothing is recorded)."""
-        value = orjson.dumps([link.session_id or "", link.provider or ""])
+        value = orjson.dumps([link.session_id or "", link.provider or "", link.endpoint or ""])
         return await self._call(model, identity, response_id, value, self.ttl_for(running), lengthen_only=False)
 
     async def _call(self, model: str, identity: str, response_id: str, value: bytes, ttl_ms: int, lengthen_only: bool) -> bool:
@@ -169,15 +174,19 @@ class ResponseChains:
 
 
 def _decode(raw: bytes | None) -> ChainLink | None:
-    """A record's value (`[session id, provider]`, "" for none) as a ChainLink; None for none or
-    an unreadable value."""
+    """A record's value (`[session id, provider, endpoint]`, "" for none; an older release's
+    `[session id, provider]` has no endpoint) as a ChainLink; None for none or an unreadable
+    value."""
     if raw is None:
         return None
     try:
-        session, provider = orjson.loads(raw)
-    except (orjson.JSONDecodeError, ValueError, TypeError):
+        value = orjson.loads(raw)
+    except orjson.JSONDecodeError:
         return None
-    return ChainLink(session or None, provider or None)
+    if not isinstance(value, list) or len(value) not in (2, 3) or not all(isinstance(v, str) for v in value):
+        return None
+    session, provider, endpoint = (*value, "")[:3]
+    return ChainLink(session or None, provider or None, endpoint or None)
 
 
 class ResponseReader:

@@ -4,7 +4,9 @@
 They carry no body (Envoy sends the request headers with end_of_stream), so they are routed in the
 request-headers answer: to the provider that stores the response, found in its chain record
 (extproc.openai_api.chains) under the client's identity, with the session's affinity key so a
-pool sends it to the replica that holds the response. A request whose identity has no record of
+pool sends it to the replica that holds the response; on a provider with affinity pick, to the
+endpoint the record names (`x-gateway-destination-endpoint` and the `envoy.lb` metadata, the
+endpoint-picker protocol), whatever the session's pin says now. A request whose identity has no record of
 the id gets 404 `response_not_found` from the router, never a provider's 404 from elsewhere.
 
 A lookup takes no in-flight slot and holds no lease: it generates nothing, and a poll of a
@@ -89,8 +91,19 @@ async def route_lookup(
     if tracing_on and not tracing.receives_trace_context(provider):
         removed += tracing.WITHHELD_HEADERS
     answer = msg.route_headers_to_cluster(routing_header, change.cluster, set_headers, removed, metadata)
+    answer = msg.with_destination(answer, storing_endpoint(provider, link.endpoint))
     metrics.child(metrics.RESPONSE_LOOKUPS, lookup.action).inc()
     return answer, RoutedLookup(lookup, provider, model, identity, upstream)
+
+
+def storing_endpoint(provider: Provider, endpoint: str | None) -> tuple[str, ...]:
+    """The endpoint-picker answer of a lookup: the replica (`ip:port`) the chain record says
+    stores the response, alone (no other replica holds it), when `provider` has affinity pick;
+    else () and Envoy's fallback hash on the session key chooses. An endpoint the cluster no longer
+    has is not honoured by Envoy's override_host either: its fallback hash chooses then."""
+    if endpoint is None or not provider.picks:
+        return ()
+    return (endpoint,)
 
 
 async def refresh_looked_up(chains: ResponseChains, routed: RoutedLookup, status: str | None) -> None:

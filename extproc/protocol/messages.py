@@ -186,13 +186,15 @@ def route_to_cluster(
 
 
 def with_destination(response: ProcessingResponse, endpoints: tuple[str, ...]) -> ProcessingResponse:
-    """`response` (a request-body answer from `route_to_cluster`) naming `endpoints` (`ip:port`,
-    the chosen one first) as the endpoint-picker protocol does: the header
-    DESTINATION_ENDPOINT_HEADER and the same key in the LB_METADATA_NAMESPACE dynamic metadata.
-    Unchanged when `endpoints` is empty (Envoy's fallback policy chooses)."""
+    """`response` (a request-body answer from `route_to_cluster`, or a request-headers one from
+    `route_headers_to_cluster`) naming `endpoints` (`ip:port`, the chosen one first) as the
+    endpoint-picker protocol does: the header DESTINATION_ENDPOINT_HEADER and the same key in the
+    LB_METADATA_NAMESPACE dynamic metadata. Unchanged when `endpoints` is empty (Envoy's fallback
+    policy chooses)."""
     if endpoints:
         value = ",".join(endpoints)
-        option = response.request_body.response.header_mutation.set_headers.add()
+        phase = response.request_headers if response.HasField("request_headers") else response.request_body
+        option = phase.response.header_mutation.set_headers.add()
         option.header.key, option.header.raw_value = DESTINATION_ENDPOINT_HEADER, value.encode()
         option.append_action = _OVERWRITE  # never beside a copy a client slipped in
         fields = response.dynamic_metadata.fields[LB_METADATA_NAMESPACE].struct_value.fields

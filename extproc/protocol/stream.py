@@ -80,6 +80,7 @@ class StreamState:
     priority_header: str | None = None  # the admission queue's trusted class header, when configured (docs/queue.md)
     session_id: str | None = None
     stores_response: bool = False  # a /v1/responses request whose answer is stored (store not false)
+    chained_endpoint: tuple[str, str] | None = None  # (provider, ip:port) storing the previous response (affinity pick)
     background: bool = False  # a /v1/responses request with `background: true`
     reads_response_id: bool = False  # the answer's response id is worth its cost (see _routing_request)
     model: str = ""
@@ -247,7 +248,7 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
         span = None if self.tracer is None else self.tracer.start(stream.trace_headers, parsed.feature, parsed.model)
         started = time.perf_counter()
         try:
-            with deciding_with(self._prompt_blocks(parsed, live)):
+            with deciding_with(self._prompt_blocks(parsed, live), stream.chained_endpoint):
                 outcome = await self.leases.decide(routing_request, live.router, live.state)
         finally:
             decision_seconds = time.perf_counter() - started
@@ -331,6 +332,8 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
         )
         metrics.child(metrics.SESSION_SIGNALS, key.signal.value if key.signal else "none").inc()
         required = link.provider if link else None
+        if link is not None and link.provider is not None and link.endpoint is not None:  # the replica that stores it
+            stream.chained_endpoint = (link.provider, link.endpoint)
         priority, tenant = None, ""
         queue = self.live.router.queue
         if queue.enabled(parsed.model):  # the admission queue's class and fairness key (docs/queue.md)
@@ -501,9 +504,11 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
         """Before the client can see the id: so a next turn through any instance finds it.
         `running`: a background response the answer says still runs (its record keeps the
         background TTL)."""
-        provider = stream.decision.provider.name if stream.stores_response else None
+        decision = stream.decision
+        provider = decision.provider.name if stream.stores_response else None
+        endpoint = decision.lease.endpoint if stream.stores_response and decision.lease is not None else None
         try:
-            link = ChainLink(stream.session_id, provider)
+            link = ChainLink(stream.session_id, provider, endpoint)  # affinity pick: the replica that stores it
             if not await in_own_task(self.chains.record(stream.model, stream.identity, response_id, link, running)):
                 metrics.CHAINS_CAPPED.inc()
                 return

@@ -31,7 +31,7 @@ from redis.exceptions import RedisError, ResponseError
 from extproc import metrics
 from extproc.config import Config, Provider, ProviderKind
 from extproc.config.endpoints import pick_endpoints
-from extproc.routing.placement import current_blocks
+from extproc.routing.placement import current_blocks, current_chained
 from extproc.storage.client import LuaScript, RedisClient, connect  # noqa: F401 (connect: re-exported)
 from extproc.storage.keys import Keyspace
 from extproc.storage.pipelined import Packed, PipelinedRedis
@@ -627,10 +627,13 @@ class RoutingState:
                 keys += segments.queue_keys[model]
                 queue_section = self._queue_section(model, queue or self._queue_default[model])
             constants = segments.model_args_share[model] if shared else segments.model_args[model]
-            blocks = current_blocks() if script in PLACING_SCRIPTS and self._pick_keys[model] else ()
+            pick_pairs = bool(self._pick_keys[model])
+            placing = script in PLACING_SCRIPTS and pick_pairs
+            blocks = current_blocks() if placing else ()
+            chained = ((current_chained() if placing else None) or ("", "")) if pick_pairs else ()
             args = [
                 "" if now_ms is None else now_ms, *constants, *queue_section, epoch_flag,
-                *segments.pick_args[model], len(blocks), *blocks, *op_args,
+                *segments.pick_args[model], len(blocks), *blocks, *chained, *op_args,
             ]
         else:
             args = ["" if now_ms is None else now_ms, *segments.without_providers, epoch_flag, 0, 0]

@@ -11,6 +11,7 @@ import concurrent.futures
 from collections import Counter
 
 import httpx
+import orjson
 import pytest
 import redis
 
@@ -31,8 +32,8 @@ def pick_config() -> dict:
         "providers": [
             # The endpoints are placeholders: the lab puts the simulated replicas there.
             {"name": "iris-1", "kind": "managed", "cluster": "iris-1", "affinity": "pick", "endpoints": ["http://127.0.0.1:1"],
-             "models": {MODEL: {"features": ["chat"], "limits": limits, "max_in_flight_per_endpoint": CAP}}},
-            {"name": "tensorx", "kind": "unlimited", "cluster": "tensorx", "models": {MODEL: {"features": ["chat"]}}},
+             "models": {MODEL: {"features": ["chat", "responses"], "limits": limits, "max_in_flight_per_endpoint": CAP}}},
+            {"name": "tensorx", "kind": "unlimited", "cluster": "tensorx", "models": {MODEL: {"features": ["chat", "responses"]}}},
         ],
     }
 
@@ -100,6 +101,70 @@ def test_no_replica_carries_more_than_its_cap(pool):
         assert wait_until(lambda: running() == 0, within_seconds=10)
     finally:
         store.close()
+
+
+def respond(client: httpx.Client, url: str, session: str, text: str, previous: str | None = None) -> httpx.Response:
+    body = {"model": MODEL, "input": text, "max_output_tokens": 4, **({"previous_response_id": previous} if previous else {})}
+    return client.post(f"{url}/v1/responses", json=body, headers={"x-session-id": session, **CHAIN_USER})
+
+
+CHAIN_USER = {"authorization": "Bearer chain-user"}
+
+
+def test_a_stored_response_stays_reachable_on_its_replica_under_load(pool):
+    """Issue 30: a session's first response is stored on its replica A; slow requests then fill A
+    to its cap, and the session's next response is placed on B (its pin moves there). Each
+    response is found by id on the replica that stores it (the chain record's endpoint), and a
+    turn chained to the first goes to A, over the session's pin and A's cap (the storing replica
+    is the only one that can serve it), through either gateway. Before, these went by the hash
+    of the session key or by the pin, to a replica that does not hold the response (404)."""
+    names = replica_names(pool)
+    for endpoint in names:
+        httpx.post(f"http://{endpoint}/stats/reset", timeout=5)
+    with httpx.Client(timeout=60) as client, concurrent.futures.ThreadPoolExecutor(CAP) as workers:
+        first = respond(client, pool.running[0].url, "chain", "the first question")
+        assert first.status_code == 200, first.text
+        home = first.headers["x-iris-endpoint"]
+        assert first.headers["x-simulator-name"] == names[home]
+        loaders = []  # sessions whose first turn landed on A: their slow turns fill it to its cap
+        for session in range(300, 340):
+            if len(loaders) < CAP and chat(client, pool.running[0].url, session, 0).headers.get("x-iris-endpoint") == home:
+                loaders.append(session)
+        assert len(loaders) == CAP, "no session of 40 was placed on the first response's replica"
+        slow = [workers.submit(chat, client, pool.running[i % 2].url, session, 1, None, 4000) for i, session in enumerate(loaders)]
+        try:
+            assert wait_until(lambda: httpx.get(f"http://{home}/stats", timeout=5).json()["in_flight"] == CAP, within_seconds=20)
+            second = respond(client, pool.running[1].url, "chain", "the second question")
+            assert second.status_code == 200, second.text
+            moved = second.headers["x-iris-endpoint"]
+            assert moved != home, "A at its cap: the session's next response is placed elsewhere"
+            at_cap = respond(client, pool.running[1].url, "chain", "continue the first", first.json()["id"])
+            assert at_cap.status_code == 200, at_cap.text
+            assert at_cap.headers["x-simulator-name"] == names[home], "the chained turn reached the storing replica at its cap"
+            assert httpx.get(f"http://{home}/stats", timeout=5).json()["max_in_flight"] <= CAP + 1
+        finally:
+            assert all(f.result().status_code == 200 for f in slow)
+        for gateway in pool.running:
+            for created, where in ((first, home), (second, moved)):
+                response_id = created.json()["id"]
+                found = client.get(f"{gateway.url}/v1/responses/{response_id}", headers=CHAIN_USER)
+                assert found.status_code == 200, found.text
+                assert found.headers["x-simulator-name"] == names[where] and found.json()["id"] == response_id
+                items = client.get(f"{gateway.url}/v1/responses/{response_id}/input_items", headers=CHAIN_USER)
+                assert items.status_code == 200, items.text
+            chained = respond(client, gateway.url, "chain", "back to the first", first.json()["id"])
+            assert chained.status_code == 200, chained.text
+            assert chained.headers["x-simulator-name"] == names[home], "a chained turn goes to the storing replica, not the pin's"
+        deleted = client.delete(f"{pool.running[0].url}/v1/responses/{second.json()['id']}", headers=CHAIN_USER)
+        assert deleted.status_code == 200, deleted.text
+        assert deleted.headers["x-simulator-name"] == names[moved]
+    store = redis.Redis.from_url(pool.redis_url)
+    try:  # every record names its replica: the first and the chained turns' on A, the deleted one gone
+        records = [orjson.loads(store.get(key)) for key in store.keys("{pick:m}:response:*")]
+    finally:
+        store.close()
+    assert len(records) == 4, records
+    assert {r[2] for r in records} == {home}, records
 
 
 def test_without_redis_the_hash_places_and_a_clients_pick_is_still_not_honoured(pool):

@@ -68,9 +68,11 @@ end
 -- name, max in flight per endpoint (-1: no cap), E, then the E endpoints (`ip:port`); when m > 0,
 -- the placement's prefix weight, load weight, index size per endpoint and index TTL ms; then the
 -- request's prompt blocks: k, then k chained block hashes (k = 0: none, or a call that places
--- nothing). KEYS from `keys_at`: per pair, its E endpoints' lease zsets (lease id -> deadline ms)
--- then their E prefix indexes (block hash -> last served ms). Sets p.pick on each pair and
--- ctx.placement, ctx.blocks; returns the position of the first op argument.
+-- nothing); when m > 0, then the provider name and endpoint that store the previous response of
+-- a Responses turn ("", "": none). KEYS from `keys_at`: per pair, its E endpoints' lease zsets
+-- (lease id -> deadline ms) then their E prefix indexes (block hash -> last served ms). Sets
+-- p.pick on each pair and ctx.placement, ctx.blocks, ctx.chained (nil: none); returns the
+-- position of the first op argument.
 local function read_pick(ctx, at, keys_at)
   local m = tonumber(ARGV[at])
   at = at + 1
@@ -100,7 +102,14 @@ local function read_pick(ctx, at, keys_at)
   for i = 1, k do
     ctx.blocks[i] = ARGV[at + i]
   end
-  return at + 1 + k
+  at = at + 1 + k
+  if m > 0 then
+    if ARGV[at] ~= '' then
+      ctx.chained = {provider = ARGV[at], endpoint = ARGV[at + 1]}
+    end
+    at = at + 2
+  end
+  return at
 end
 
 local function read_context()
@@ -337,7 +346,20 @@ end
 
 -- The placement of an admission on pick pair p, kept in ctx.placed for admit_lease: the spec's
 -- capacity rules passed, and some endpoint is under its cap (false: every one is at its cap).
+--
+-- A Responses turn continuing a response stored on an endpoint of p (ctx.chained) goes to that
+-- endpoint alone, before the session's pin and placement, and even at its cap: the pair's own
+-- limits passed, and no other replica holds the response (another one answers 404), so the cap,
+-- which steers placement among replicas that could all serve, yields to it. The turn counts
+-- there, so the next placements see the endpoint as loaded. An endpoint the pair no longer
+-- lists is placed as usual (its response is gone with it).
 local function place(ctx, p, lease_id)
+  local chained = ctx.chained
+  local storing = chained and chained.provider == p.name and p.pick.index[chained.endpoint]
+  if storing then
+    ctx.placed = {storing}
+    return true
+  end
   local order = rank_endpoints(ctx, p, ctx.sticky and p.pick.index[ctx.sticky], lease_id)
   if #order == 0 then
     return false

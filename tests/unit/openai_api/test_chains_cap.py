@@ -77,3 +77,20 @@ async def test_a_running_response_keeps_its_longer_ttl_until_an_answer_says_it_e
     await asyncio.sleep(0.35)
     assert await bounded.lookup("m", "alice", "resp_1") is None
     assert not await bounded.refresh("m", "alice", "resp_1", running=True)  # gone stays gone
+
+
+async def test_a_record_keeps_the_endpoint_that_stores_the_response(redis_client, redis_url):
+    """Affinity pick: the record keeps the replica (`ip:port`) the response was generated on,
+    for lookups by id and chained turns; a refresh keeps it; an older release's two-element
+    record reads without one."""
+    bounded = chains(redis_client, redis_url, cap=10)
+    link = ChainLink("session", "iris-1", "10.0.0.7:8000")
+    assert await bounded.record("m", "alice", "resp_1", link)
+    assert await bounded.refresh("m", "alice", "resp_1")
+    assert await bounded.lookup("m", "alice", "resp_1") == link
+    assert await bounded.find("alice", "resp_1", ["e", "m"]) == ("m", link)
+    await redis_client.set(bounded.key("m", "alice", "resp_old"), b'["session","iris-1"]')
+    assert await bounded.lookup("m", "alice", "resp_old") == ChainLink("session", "iris-1", None)
+    for unreadable in (b'"ab"', b'["session"]', b'["s","p","e","x"]', b'{"a":1}', b'[1,2]'):
+        await redis_client.set(bounded.key("m", "alice", "resp_bad"), unreadable)
+        assert await bounded.lookup("m", "alice", "resp_bad") is None

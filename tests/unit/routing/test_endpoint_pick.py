@@ -95,6 +95,32 @@ async def test_the_pins_endpoint_at_its_cap_moves_the_session(proxies, redis_cli
     assert home not in moved.lease.endpoints, "an endpoint at its cap is no fallback either"
 
 
+async def test_a_chained_turn_goes_to_the_endpoint_that_stores_its_response(proxies, redis_client):
+    """A Responses turn continuing a response stored on one endpoint (lib.lua `place`, the
+    chained endpoint rides in `deciding_with`) goes there alone: before the session's pin, even at
+    the endpoint's cap while the pair has room, for a new session and a sessionless request too;
+    the pin then records it. Another provider's endpoint of that name changes nothing."""
+    state = proxies[0]
+    first = await state.try_admit_unpinned_session_request("iris-1", "m", "s", now_ms=T0)
+    pinned = first.lease.endpoint
+    storing = next(e for e in ENDPOINTS if e != pinned)
+    with deciding_with((), ("iris-1", storing)):
+        for i in range(CAP):  # new sessions continuing responses stored there: the endpoint at its cap
+            filler = await state.try_admit_unpinned_session_request("iris-1", "m", f"filler{i}", now_ms=T0)
+            assert filler.lease.endpoints == (storing,)
+        assert (await counts(redis_client, state, T0))[ENDPOINTS.index(storing)] == CAP
+        chained = await proxies[1].try_admit_pinned_session_request("m", "s", now_ms=T0 + 1)
+        sessionless = await proxies[2].try_admit_request_without_pin("iris-1", "m", now_ms=T0 + 1)
+    assert chained.result is Result.ADMITTED and chained.lease.endpoints == (storing,), "the storing replica alone, at its cap"
+    assert sessionless.lease.endpoints == (storing,)
+    assert await counts(redis_client, state, T0 + 1) == [CAP + 2 if e == storing else int(e == pinned) for e in ENDPOINTS]
+    later = await state.try_admit_pinned_session_request("m", "s", now_ms=T0 + 2)
+    assert later.lease.endpoint != storing, "without the chain, the endpoint over its cap is skipped"
+    with deciding_with((), ("another-provider", pinned)):
+        other = await state.try_admit_request_without_pin("iris-1", "m", now_ms=T0 + 3)
+    assert other.lease.endpoint != storing and len(other.lease.endpoints) > 1, "placed as usual"
+
+
 async def test_every_endpoint_at_its_cap_is_a_full_pair(proxies):
     state = proxies[0]
     for i in range(len(ENDPOINTS) * CAP):
