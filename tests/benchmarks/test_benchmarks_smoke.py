@@ -213,17 +213,79 @@ def test_a_peer_that_is_not_installed_is_reported_not_started():
     assert "no-such-router-program" in unavailable(missing)
 
 
-def test_real_engines_prints_every_figure(tmp_path):
-    """bench.real_engines on its tiny workload: llama-server engines (built by `./dev test`) behind
-    each front end; a peer that is not installed is skipped with its reason."""
-    from bench.real_engines import FRONTS
+REAL_ENGINE_FIGURES = ("ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "errors", "third_party_share", "engine_cache_share",
+                       "engine_cache_share_of_oracle", "requests_per_second", "output_tokens_per_second", "peak_per_engine",
+                       "sessions_moved", "engines_per_group")
 
-    figures, result = run_bench("real_engines", tmp_path, timeout=600)
+
+def needs_llama_server():
+    from irislab.engines import llama_server_binary, model_path
+
+    if llama_server_binary() is None or not model_path().is_file():
+        pytest.skip("llama-server or its model is not built: python -m irislab.engines build")
+
+
+def check_real_engine_run(figures: dict[str, str], result: dict, fronts: list[str]) -> None:
+    """Every front end named is measured or skipped with its reason, prints every figure, and
+    served every request of the workload (an Envoy 503 from an engine's reset connection is a
+    known, rare error: docs/benchmarks.md)."""
+    from bench.real_engines import front_unavailable
+
     measured = [run["front"] for run in result["runs"]]
-    assert {"iris", "round_robin"} <= set(measured)
-    assert set(measured) | set(result["skipped"]) == set(FRONTS)
-    for front in measured:
-        assert_numbers(figures, [f"{name}:{front}" for name in
-                                 ("ttft_p50_ms", "ttft_p99_ms", "engine_cache_share", "requests_per_second", "peak_per_engine")])
-    for run in result["runs"]:  # an Envoy 503 from an engine's reset connection is a known, rare error (docs/benchmarks.md)
-        assert run["requests"] == 4 and run["errors"] <= 1, run
+    assert set(measured) | set(result["skipped"]) == set(fronts)
+    assert {front: front_unavailable(front) for front in result["skipped"]} == result["skipped"]
+    assert_numbers(figures, ["oracle_share", *(f"{name}:{front}" for front in measured for name in REAL_ENGINE_FIGURES)])
+    assert 0 < result["oracle"]["share"] < 1
+    for run in result["runs"]:
+        assert run["requests"] == result["requests"] and run["errors"] <= 1, run
+        carried = sum(run["spread"]["requests_per_engine"].values())  # a peer's retry is carried twice
+        assert carried >= run["requests"] - run["errors"] - run["third_party_requests"], run
+        assert run["spread"]["sessions_seen"] == result["sessions"], run
+
+
+def test_real_engines_prints_every_figure(tmp_path):
+    """bench.real_engines on its tiny chat workload: llama-server engines (built by `./dev test`)
+    behind the gateway and plain Envoy; `iris_pick` is measured or skipped with its reason."""
+    needs_llama_server()
+    fronts = ["iris_hash", "iris_pick", "round_robin"]
+    figures, result = run_bench("real_engines", tmp_path, "--fronts", *fronts, timeout=600)
+    check_real_engine_run(figures, result, fronts)
+    assert {"iris_hash", "round_robin"} <= {run["front"] for run in result["runs"]}
+    assert result["workload"] == "chat" and result["requests"] == 4
+
+
+def test_real_engines_shared_prefix_groups(tmp_path):
+    """The shared-prefix workload, tiny: 2 groups x 2 users x 2 turns through the gateway as an
+    operator runs it (limits, queue, a third party) and a peer where one is installed; every
+    request is attributed to an engine or to the third party, and every group to its engines."""
+    needs_llama_server()
+    fronts = ["iris_hash_operator", "vllm_sticky_least_loaded"]
+    figures, result = run_bench("real_engines", tmp_path, "--workload", "groups", "--fronts", *fronts, timeout=600)
+    check_real_engine_run(figures, result, fronts)
+    assert result["workload"] == "groups" and result["requests"] == 8 and result["sessions"] == 4
+    for run in result["runs"]:
+        assert set(run["spread"]["engines_per_group"]) <= {"group0", "group1"}
+        assert 1 <= run["spread"]["engines_per_group_mean"] <= 2
+
+
+def test_shared_prefix_groups_are_deterministic_and_interleaved():
+    from bench.real_engines import oracle_share, shared_prefix_groups
+
+    def build(seed):
+        return shared_prefix_groups(list(range(1000)), groups=3, users=2, turns=3, prefix_blocks=4, words=5, user_words=3, seed=seed)
+
+    sessions = build(7)
+    assert sessions == build(7) and sessions != build(8)
+    assert [s[0].session.split("-")[1] for s in sessions] == ["user0"] * 3 + ["user1"] * 3  # every group's first user first
+    for session in sessions:
+        group = [s for s in sessions if s[0].group == session[0].group]
+        assert all(s[0].messages[0] == session[0].messages[0] for s in group)  # one shared prefix per group
+        for earlier, later in zip(session, session[1:], strict=False):
+            assert later.messages[:len(earlier.messages)] == earlier.messages  # a turn repeats the earlier ones
+    # The oracle computes each group's prefix once, and each session's messages after it once
+    # (those of its last turn, which repeats the earlier ones).
+    prefixes = {s[0].messages[0]["content"] for s in sessions}
+    computed = sum(map(len, prefixes)) + sum(len(m["content"]) for s in sessions for m in s[-1].messages[1:])
+    oracle = oracle_share(sessions)
+    assert len(prefixes) == 3 and oracle["computed_chars"] == computed
+    assert oracle["chars"] == sum(len(m["content"]) for s in sessions for t in s for m in t.messages)
