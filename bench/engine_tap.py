@@ -10,7 +10,10 @@ connection and copies bytes both ways unchanged, so the front end's connection r
 engine's keep-alive closes and its resets reach the other side as they would directly (a reset
 becomes a reset: the relay aborts the other side). It parses no HTTP: it finds the tags in the
 bytes going to the engine (the front ends pass message text through, whatever else they
-rewrite) and appends `<seconds since start> <engine index> <session>` to `--log` for each.
+rewrite), with the path of the request line before each, and appends `<seconds since start>
+<engine index> <session> <path>` to `--log` for each: a generation (GENERATION_PATHS), or a
+router's own call that carries the text (vllm-router's `cache_aware` sends the prompt to every
+engine's `/tokenize`).
 Every relay listens on 127.0.0.1 only.
 """
 
@@ -24,7 +27,10 @@ from pathlib import Path
 from typing import TextIO
 
 TAG = re.compile(rb"\[session ([A-Za-z0-9_.-]{1,64})\]")
-TAG_MAX = 80  # bytes: a tag split over two reads is found in the kept tail
+REQUEST_LINE = re.compile(rb"(?:GET|POST|PUT|DELETE|PATCH) (/[^ \r\n]{0,200}) HTTP/1\.[01]\r\n")
+FOUND = re.compile(TAG.pattern + rb"|" + REQUEST_LINE.pattern)
+TAG_MAX = 300  # bytes: a tag or request line split over two reads is found in the kept tail
+GENERATION_PATHS = ("/v1/chat/completions", "/chat/completions", "/v1/completions", "/completions", "/generate")
 
 
 def session_tag(session: str) -> str:
@@ -47,13 +53,21 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, on_b
 
 
 def _relay(index: int, engine_port: int, log: TextIO, started: float):
-    def note(buffer: bytes) -> bytes:
-        last = 0
-        for match in TAG.finditer(buffer):
-            log.write(f"{time.monotonic() - started:.3f} {index} {match.group(1).decode()}\n")
-            last = match.end()
-        log.flush()
-        return buffer[max(last, len(buffer) - TAG_MAX):]
+    def noter():
+        path = ["-"]  # the path of the connection's latest request line
+
+        def note(buffer: bytes) -> bytes:
+            last = 0
+            for match in FOUND.finditer(buffer):
+                if match.group(2) is not None:
+                    path[0] = match.group(2).decode(errors="replace").split("?")[0]
+                else:
+                    log.write(f"{time.monotonic() - started:.3f} {index} {match.group(1).decode()} {path[0]}\n")
+                last = match.end()
+            log.flush()
+            return buffer[max(last, len(buffer) - TAG_MAX):]
+
+        return note
 
     async def handle(client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
         try:
@@ -61,7 +75,7 @@ def _relay(index: int, engine_port: int, log: TextIO, started: float):
         except OSError:
             client_writer.transport.abort()
             return
-        await asyncio.gather(_pipe(client_reader, engine_writer, note), _pipe(engine_reader, client_writer))
+        await asyncio.gather(_pipe(client_reader, engine_writer, noter()), _pipe(engine_reader, client_writer))
         for writer in (engine_writer, client_writer):
             writer.close()
 
@@ -77,15 +91,16 @@ async def serve(pairs: list[tuple[int, int]], log_path: Path) -> None:
         await asyncio.gather(*(server.serve_forever() for server in servers))
 
 
-def read_log(log_path: Path) -> list[tuple[int, str]]:
-    """The (engine index, session) of every request a relay carried, in order."""
+def read_log(log_path: Path) -> list[tuple[int, str, str]]:
+    """The (engine index, session, path) of every request a relay carried with a tag, in order
+    (path "-" when its request line was not seen)."""
     if not log_path.exists():
         return []
     out = []
     for line in log_path.read_text().splitlines():
         parts = line.split()
-        if len(parts) == 3:
-            out.append((int(parts[1]), parts[2]))
+        if len(parts) == 4:
+            out.append((int(parts[1]), parts[2], parts[3]))
     return out
 
 

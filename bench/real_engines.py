@@ -37,7 +37,8 @@ p50/p90/p99 (ms, first chunk with content); the engines' cached share (their own
 `llamacpp:prompt_tokens_cached_total` over it plus `llamacpp:prompt_tokens_total`) and that share
 over the oracle's; the peak concurrency per engine (sampled every 50 ms from `requests_processing
 + requests_deferred`) against `--parallel`; how sessions and groups spread over the engines
-(bench.engine_tap notes which engine carried each request).
+(bench.engine_tap notes which engine carried each request; "generations carried" counts
+what the engines received, a router's retries included, against the requests the pool served).
 
 The oracle (`oracle_share`): the cached share if every request met the longest prefix already
 cached anywhere in the pool, an unbounded cache that sees every earlier request. Each message is
@@ -416,11 +417,14 @@ def start_taps(engines: list[LlamaServer], work: Path) -> tuple[ManagedProcess, 
 # ---------------------------------------------------------------------------------------------
 
 
-def spread(carried: list[tuple[int, str]], sessions: list[list[Turn]]) -> dict[str, Any]:
+def spread(carried: list[tuple[int, str, str]], sessions: list[list[Turn]]) -> dict[str, Any]:
     """How sessions and groups spread over the engines, from the relays' notes (engine index,
-    session) in order: requests per engine, sessions whose turns went to more than one engine,
-    engine changes between consecutive turns, and per group the engines its users touched."""
+    session, path) in order: generations per engine (a router's retry counts again), sessions
+    whose turns went to more than one engine, engine changes between consecutive turns, per group
+    the engines its users touched; and the router's other calls that carried a prompt, by path."""
     group_of = {session[0].session: session[0].group for session in sessions if session}
+    other_calls = Counter(path for _, _, path in carried if path not in engine_tap.GENERATION_PATHS)
+    carried = [(engine, session) for engine, session, path in carried if path in engine_tap.GENERATION_PATHS]
     by_session: dict[str, list[int]] = defaultdict(list)
     for engine, session in carried:
         by_session[session].append(engine)
@@ -433,6 +437,7 @@ def spread(carried: list[tuple[int, str]], sessions: list[list[Turn]]) -> dict[s
     touched = [len(engines) for engines in by_group.values()]
     return {
         "requests_per_engine": dict(sorted(Counter(engine for engine, _ in carried).items())),
+        "other_calls_with_prompt": dict(sorted(other_calls.items())),
         "sessions_seen": len(by_session),
         "sessions_moved": moved,
         "engine_changes": changes,
@@ -509,12 +514,15 @@ def report(runs: list[dict[str, Any]], skipped: dict[str, str], oracle: dict[str
             f"{100 * run['engine_cache_share']:.1f} %", f"{100 * run['engine_cache_share_of_oracle']:.0f} %",
             " / ".join(f"{peak:g}" for peak in run["peak_concurrency_per_engine"]) + f" (of {run['parallel']})",
             f"{where['engines_per_group_mean']:.2f}" if not math.isnan(where["engines_per_group_mean"]) else "-",
-            f"{where['sessions_moved']} of {where['sessions_seen']}",
+            f"{where['sessions_moved']} of {where['sessions_seen']}", sum(where["requests_per_engine"].values()),
         ])
     print_table(f"Real engines, workload {workload}: one pool of llama-server, oracle {100 * oracle['share']:.1f} %",
                 ["front end", "requests", "errors", "to third party", "req/s (home)", "output tok/s (home)",
                  "TTFT p50 / p90 / p99 ms (home)", "engine cache share", "of oracle", "peak per engine",
-                 "engines per group", "sessions moved"], rows)
+                 "engines per group", "sessions moved", "generations carried"], rows)
+    for run in runs:
+        if run["spread"]["other_calls_with_prompt"]:
+            print(f"{run['front']}: the router's own calls that carried a prompt, by path: {run['spread']['other_calls_with_prompt']}")
     print_figure("oracle_share", oracle["share"])
     for run in runs:
         front = run["front"]

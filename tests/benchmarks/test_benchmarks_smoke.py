@@ -228,7 +228,7 @@ def needs_llama_server():
 def check_real_engine_run(figures: dict[str, str], result: dict, fronts: list[str]) -> None:
     """Every front end named is measured or skipped with its reason, prints every figure, and
     served every request of the workload (an Envoy 503 from an engine's reset connection is a
-    known, rare error: docs/benchmarks.md)."""
+    known, rare error: docs/results/issue21/README.md, issue 30 item 6)."""
     from bench.real_engines import front_unavailable
 
     measured = [run["front"] for run in result["runs"]]
