@@ -413,6 +413,84 @@ def start_taps(engines: list[LlamaServer], work: Path) -> tuple[ManagedProcess, 
 
 
 # ---------------------------------------------------------------------------------------------
+# A second client nobody here wrote: aiperf (PyPI), offline
+# ---------------------------------------------------------------------------------------------
+
+AIPERF_TOKENIZER = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the name bench.gguf_tokenizer's snapshot carries
+
+
+def aiperf_unavailable(args: argparse.Namespace) -> str | None:
+    """Why `--client aiperf` cannot run (None: it can)."""
+    import shutil
+
+    if not (Path(args.aiperf).exists() or shutil.which(args.aiperf)):
+        return f"`{args.aiperf}` not found: pip install aiperf==0.13.0 (in a virtualenv of its own; see docs/benchmarks.md)"
+    if not (args.hf_home / "hub" / f"models--{AIPERF_TOKENIZER.replace('/', '--')}").exists():
+        return f"no tokenizer under {args.hf_home}: python -m bench.gguf_tokenizer --hf-home {args.hf_home}"
+    return None
+
+
+def aiperf_argv(args: argparse.Namespace, url: str, out: Path) -> list[str]:
+    """aiperf's multi-turn synthetic conversations with a pool of prefixes, sized as the
+    `groups` workload: `--groups` prefixes of about `--prefix-blocks` x `--words-per-block`
+    tokens, `--groups` x `--users` conversations of `--turns` turns, `--clients` at once."""
+    return [args.aiperf, "profile", "--model", MODEL_NAME, "--url", url, "--endpoint-type", "chat", "--streaming",
+            "--tokenizer", AIPERF_TOKENIZER, "--num-prefix-prompts", str(args.groups),
+            "--prefix-prompt-length", str(args.prefix_blocks * args.words_per_block),
+            "--conversation-num", str(args.groups * args.users), "--conversation-turn-mean", str(args.turns),
+            "--prompt-input-tokens-mean", str(args.user_words), "--prompt-output-tokens-mean", str(args.max_tokens),
+            "--concurrency", str(args.clients), "--session-header", peers.SESSION_HEADER, "--ui-type", "none",
+            "--random-seed", str(args.seed), "--output-artifact-dir", str(out)]
+
+
+def run_aiperf(args: argparse.Namespace, url: str, out: Path) -> tuple[dict[str, Any], list[list[Turn]], float]:
+    """Run aiperf against `url` (HF_HOME=`--hf-home`, HF_HUB_OFFLINE=1); returns its summary
+    (profile_export_aiperf.json), the conversations it sent (inputs.json, for the oracle) and
+    the wall time (s). Raises subprocess.CalledProcessError when it fails."""
+    import os
+    import subprocess
+
+    env = dict(os.environ, HF_HOME=str(args.hf_home), HF_HUB_OFFLINE="1")
+    started = time.perf_counter()
+    subprocess.run(aiperf_argv(args, url, out), env=env, check=True, capture_output=True, timeout=3600)
+    wall = time.perf_counter() - started
+    summary = json.loads((out / "profile_export_aiperf.json").read_text())
+    sent = [[Turn(entry["session_id"], payload["messages"]) for payload in entry["payloads"]]
+            for entry in json.loads((out / "inputs.json").read_text())["data"]]
+    return summary, sent, wall
+
+
+def aiperf_figures(front: str, summary: dict[str, Any], sent: list[list[Turn]], wall: float, peaks: list[float],
+                   counters: list[dict[str, float]], args: argparse.Namespace) -> dict[str, Any]:
+    """One front end's figures from aiperf's own measurements (requests, errors, rates, TTFT),
+    the engines' counters and the sampler; the oracle from the conversations aiperf sent."""
+    def metric(name: str, key: str = "avg") -> float:
+        value = (summary.get(name) or {}).get(key)
+        return math.nan if value is None else float(value)
+
+    cached = sum(c.get("llamacpp:prompt_tokens_cached_total", 0) for c in counters)
+    processed = sum(c.get("llamacpp:prompt_tokens_total", 0) for c in counters)
+    share = cached / (cached + processed) if cached + processed else 0.0
+    oracle = oracle_share(sent)["share"]
+    requests = int(metric("request_count")) if not math.isnan(metric("request_count")) else 0
+    error_summary = summary.get("error_summary") or []
+    errors = sum(int(e.get("count", 0)) for e in error_summary if isinstance(e, dict)) if isinstance(error_summary, list) else 0
+    return {
+        "front": front, "client": "aiperf", "requests": requests + errors, "errors": errors, "errors_by_status": {},
+        "answers_without_content": 0, "third_party_requests": 0, "third_party_share": 0.0, "third_party_ttft_ms": {},
+        "requests_per_second": metric("request_throughput"), "output_tokens_per_second": metric("output_token_throughput"),
+        "ttft_ms": {f"p{p}_ms": metric("time_to_first_token", f"p{p}") for p in (50, 90, 99)},
+        "engine_cache_share": share, "oracle_of_what_aiperf_sent": oracle,
+        "engine_cache_share_of_oracle": share / oracle if oracle else math.nan,
+        "client_cached_share": metric("overall_usage_prompt_cache_read_pct") / 100,
+        "peak_concurrency_per_engine": peaks, "parallel": args.parallel,
+        "spread": {"requests_per_engine": {}, "other_calls_with_prompt": {}, "sessions_seen": 0, "sessions_moved": 0,
+                   "engine_changes": 0, "engines_per_group": {}, "engines_per_group_mean": math.nan},
+        "wall_seconds": wall,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
 # One front end, and its figures
 # ---------------------------------------------------------------------------------------------
 
@@ -457,7 +535,10 @@ def run_front(front: str, sessions: list[list[Turn]], args: argparse.Namespace, 
         taps, urls, tap_log = start_taps(engines, work)
         url, stop_front = start_front(front, urls, work, args)
         sampler = Sampler(engines)
-        results, wall = drive(url, sessions, args.clients, args.max_tokens)
+        if args.client == "aiperf":
+            summary, sent, wall = run_aiperf(args, url, work / "aiperf")
+        else:
+            results, wall = drive(url, sessions, args.clients, args.max_tokens)
         peaks = sampler.stop()
         counters = [engine.metrics() for engine in engines]
     finally:
@@ -467,6 +548,8 @@ def run_front(front: str, sessions: list[list[Turn]], args: argparse.Namespace, 
             taps.stop()
         for engine in engines:
             engine.stop()
+    if args.client == "aiperf":
+        return aiperf_figures(front, summary, sent, wall, peaks, counters, args)
     return figures(front, results, wall, peaks, counters, spread(engine_tap.read_log(tap_log), sessions), args)
 
 
@@ -587,6 +670,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="concurrent clients (0: 4/3 x the pool's slots for chat, 2 x for groups)")
     parser.add_argument("--queue-wait-ms", type=int, default=2000, help="the *_operator fronts' admission queue wait")
     parser.add_argument("--fronts", nargs="+", default=list(FRONTS), choices=FRONTS)
+    parser.add_argument("--client", choices=("own", "aiperf"), default="own",
+                        help="own: this module's driver; aiperf: aiperf's conversations with a prefix pool, sized as groups "
+                             "(the fronts without a third party only)")
+    parser.add_argument("--aiperf", default="aiperf", help="the aiperf program (its own virtualenv)")
+    parser.add_argument("--hf-home", type=Path, default=Path("/tmp/bench-hf"), help="where bench.gguf_tokenizer put the tokenizer")
     parser.add_argument("--trace", type=Path, default=default_trace_path())
     parser.add_argument("--tiny", action="store_true", help="a few short sessions on 2 engines (for the smoke test)")
     parser.add_argument("--json", type=Path, help="write the results here")
@@ -609,13 +697,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="bench-real-engines-") as work:
         for front in args.fronts:
             why = front_unavailable(front)
+            if not why and args.client == "aiperf":
+                why = aiperf_unavailable(args) or (
+                    "aiperf cannot tell the third party's answers apart" if front.endswith("_operator") else None)
             if why:
                 skipped[front] = why
                 continue
             print(f"running {front}...", flush=True)
             runs.append(run_front(front, sessions, args, Path(work) / front))
+    if args.client == "aiperf" and runs:  # aiperf sends its own conversations (the same for one seed)
+        args.oracle = {"share": runs[0]["oracle_of_what_aiperf_sent"], "of": "the conversations aiperf sent"}
     report(runs, skipped, args.oracle, args.workload)
-    result = {"machine": machine_description(), "workload": args.workload, "oracle": args.oracle,
+    result = {"machine": machine_description(), "workload": args.workload, "client": args.client, "oracle": args.oracle,
               "requests": sum(len(s) for s in sessions), "sessions": len(sessions),
               "args": {k: str(v) for k, v in vars(args).items() if k != "oracle"}, "runs": runs, "skipped": skipped}
     write_json(args.json, result)

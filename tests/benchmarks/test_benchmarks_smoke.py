@@ -289,3 +289,24 @@ def test_shared_prefix_groups_are_deterministic_and_interleaved():
     oracle = oracle_share(sessions)
     assert len(prefixes) == 3 and oracle["computed_chars"] == computed
     assert oracle["chars"] == sum(len(m["content"]) for s in sessions for t in s for m in t.messages)
+
+
+def test_real_engines_with_aiperf_where_it_is_not_installed_skips_every_front_with_the_reason(tmp_path):
+    """`--client aiperf` without the program: each front end is skipped, saying how to install it."""
+    figures, result = run_bench("real_engines", tmp_path, "--workload", "groups", "--client", "aiperf",
+                                "--aiperf", str(tmp_path / "no-aiperf"), "--fronts", "iris_hash", "round_robin")
+    assert result["runs"] == [] and set(result["skipped"]) == {"iris_hash", "round_robin"}
+    assert all("aiperf==0.13.0" in why for why in result["skipped"].values())
+    assert "oracle_share" in figures
+
+
+def test_aiperf_is_sized_as_the_groups_workload():
+    from bench.real_engines import aiperf_argv, parse_args
+
+    args = parse_args(["--workload", "groups", "--groups", "5", "--users", "3", "--turns", "2", "--clients", "7"])
+    argv = aiperf_argv(args, "http://127.0.0.1:1", Path("/tmp/out"))
+    flags = {flag: value for flag, value in zip(argv, argv[1:], strict=False) if flag.startswith("--")}
+    assert argv[1] == "profile" and "--streaming" in argv
+    assert flags["--num-prefix-prompts"] == "5" and flags["--conversation-num"] == "15"
+    assert flags["--conversation-turn-mean"] == "2" and flags["--concurrency"] == "7"
+    assert flags["--prefix-prompt-length"] == str(args.prefix_blocks * args.words_per_block)
