@@ -233,9 +233,11 @@ def shared_prefix_groups(block_ids: list[int], groups: int, users: int, turns: i
     return [sessions[(g, u)] for u in range(users) for g in order]
 
 
-def oracle_share(sessions: list[list[Turn]]) -> dict[str, float]:
+def oracle_share(sessions: list[list[Turn]], block_chars: int | None = None) -> dict[str, float]:
     """The oracle's cached share of prompt characters (module docstring): each message a block
-    keyed by the chain of messages up to it; a block seen in any earlier request is cached.
+    (or, with `block_chars`, the request's messages run together and cut every `block_chars`
+    characters, for text whose shared prefix does not end at a message's end, as aiperf's),
+    keyed by the chain of blocks up to it; a block seen in any earlier request is cached.
     Order-independent (the seen blocks are closed under prefixes, so every distinct chain is
     computed once). Returns the share and the characters in all and computed."""
     seen: set[bytes] = set()
@@ -243,15 +245,22 @@ def oracle_share(sessions: list[list[Turn]]) -> dict[str, float]:
     for session in sessions:
         for turn in session:
             chain = hashlib.blake2b(digest_size=16)
-            for message in turn.messages:
-                chain.update(f"{message['role']}\0{message['content']}\0".encode())
+            for block, size in _blocks(turn.messages, block_chars):
+                chain.update(block.encode() + b"\0")
                 key = chain.copy().digest()
-                size = len(message["content"])
                 total += size
                 if key not in seen:
                     seen.add(key)
                     computed += size
     return {"share": 1 - computed / total if total else 0.0, "chars": total, "computed_chars": computed}
+
+
+def _blocks(messages: list[dict[str, str]], block_chars: int | None) -> list[tuple[str, int]]:
+    """(block, characters of message text in it) of one request."""
+    if block_chars is None:
+        return [(f"{m['role']}\0{m['content']}", len(m["content"])) for m in messages]
+    text = "".join(f"{m['role']}\0{m['content']}\0" for m in messages)
+    return [(text[i:i + block_chars], len(text[i:i + block_chars])) for i in range(0, len(text), block_chars)]
 
 
 def build_workload(args: argparse.Namespace) -> list[list[Turn]]:
@@ -417,6 +426,7 @@ def start_taps(engines: list[LlamaServer], work: Path) -> tuple[ManagedProcess, 
 # ---------------------------------------------------------------------------------------------
 
 AIPERF_TOKENIZER = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the name bench.gguf_tokenizer's snapshot carries
+AIPERF_ORACLE_BLOCK_CHARS = 64  # aiperf puts its prefix and the user's text in one message: the oracle cuts blocks of text
 
 
 def aiperf_unavailable(args: argparse.Namespace) -> str | None:
@@ -471,7 +481,7 @@ def aiperf_figures(front: str, summary: dict[str, Any], sent: list[list[Turn]], 
     cached = sum(c.get("llamacpp:prompt_tokens_cached_total", 0) for c in counters)
     processed = sum(c.get("llamacpp:prompt_tokens_total", 0) for c in counters)
     share = cached / (cached + processed) if cached + processed else 0.0
-    oracle = oracle_share(sent)["share"]
+    oracle = oracle_share(sent, block_chars=AIPERF_ORACLE_BLOCK_CHARS)["share"]
     requests = int(metric("request_count")) if not math.isnan(metric("request_count")) else 0
     error_summary = summary.get("error_summary") or []
     errors = sum(int(e.get("count", 0)) for e in error_summary if isinstance(e, dict)) if isinstance(error_summary, list) else 0

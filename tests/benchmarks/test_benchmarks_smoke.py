@@ -310,3 +310,14 @@ def test_aiperf_is_sized_as_the_groups_workload():
     assert flags["--num-prefix-prompts"] == "5" and flags["--conversation-num"] == "15"
     assert flags["--conversation-turn-mean"] == "2" and flags["--concurrency"] == "7"
     assert flags["--prefix-prompt-length"] == str(args.prefix_blocks * args.words_per_block)
+
+
+def test_the_oracle_in_blocks_of_text_finds_a_prefix_inside_one_message():
+    """aiperf puts its prefix and the user's text in one message: only blocks of text see the share."""
+    from bench.real_engines import Turn, oracle_share
+
+    prefix = "p" * 640
+    sessions = [[Turn(f"s{i}", [{"role": "user", "content": prefix + f" question {i}"}])] for i in range(4)]
+    assert oracle_share(sessions)["share"] == 0.0
+    by_text = oracle_share(sessions, block_chars=64)
+    assert 0.7 < by_text["share"] < 1 and by_text["chars"] == sum(len("user\0" + t[0].messages[0]["content"] + "\0") for t in sessions)
