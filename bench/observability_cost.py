@@ -1,4 +1,4 @@
-"""What tracing and token accounting cost (issue 22; docs/benchmarks.md "Tracing and token usage").
+"""What tracing and token accounting cost (issue 22; docs/results/issue22/README.md "Tracing and token usage").
 
     python -m bench.observability_cost [--requests 2000] [--rounds 5] [--streams 20] [--tokens 200] [--baseline TREE]
 

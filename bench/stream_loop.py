@@ -21,7 +21,7 @@ waits for it.
     python -m bench.stream_loop [--requests 5000] [--concurrency 32] [--rounds 3]
 
 The figure comparable across machines is the ratio between rows; bench.overhead measures the
-same server behind Envoy, where this work runs with colder caches (docs/benchmarks.md "Where
+same server behind Envoy, where this work runs with colder caches (docs/results/issue24/README.md "Where
 the rest goes").
 """
 

@@ -1,4 +1,4 @@
-"""bench.redis_client (docs/benchmarks.md "The hot-path Redis client") runs end to end on a tiny
+"""bench.redis_client (docs/results/issue24/README.md "The hot-path Redis client") runs end to end on a tiny
 input and prints a figure for every client at both concurrencies, calling the scripts directly and
 through RoutingState (no timing is asserted)."""
 

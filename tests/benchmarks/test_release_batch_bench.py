@@ -1,4 +1,4 @@
-"""bench.release_batch (docs/benchmarks.md "Batched renewals and releases") runs end to end on a
+"""bench.release_batch (docs/results/issue24/README.md "Batched renewals and releases") runs end to end on a
 tiny input and prints a single -> batched figure for every operation and client (its own checks
 fail the run when a renewal answers anything but RENEWED, a single release anything but RELEASED,
 or a batched release leaves its lease in Redis; no timing is asserted)."""

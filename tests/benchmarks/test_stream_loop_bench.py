@@ -1,4 +1,4 @@
-"""bench.stream_loop (docs/benchmarks.md "Where the rest goes") runs end to end on a tiny input
+"""bench.stream_loop (docs/results/issue24/README.md "Where the rest goes") runs end to end on a tiny input
 and prints every figure: its own check fails the run when a request is not routed; no timing is
 asserted."""
 

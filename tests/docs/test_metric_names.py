@@ -27,7 +27,11 @@ ROOT = Path(__file__).resolve().parents[2]
 OPERATIONS = ROOT / "docs" / "operations.md"
 
 # `iris_` names in the docs that are not metrics, and what they are.
-NOT_METRICS = {"iris_code": "a field of Envoy's access log (docs/operations.md, Access log)"}
+NOT_METRICS = {
+    "iris_code": "a field of Envoy's access log (docs/operations.md, Access log)",
+    **{front: "a front end of bench.real_engines (docs/benchmarks.md, Real engines)"
+       for front in ("iris_hash", "iris_hash_operator", "iris_pick", "iris_pick_operator")},
+}
 
 _NAME = re.compile(r"(?<![A-Za-z0-9_])iris_[a-z0-9_]*[a-z0-9]")
 _ROW = re.compile(r"^\|\s*`(iris_[a-z0-9_]+)`\s*\|\s*([a-z]+)\s*\|([^|]*)\|")
