@@ -262,7 +262,7 @@ def freeze_start_up_heap() -> None:
     config, the gateway's parts, ~84,000 objects) to the collector's permanent generation
     (`gc.freeze`): they live as long as the process, and a full collection no longer walks them.
     Each full collection stalled the event loop, and every request in flight, for 28-56 ms;
-    frozen, for under 5 ms (docs/benchmarks.md "Where the rest goes"). Objects built later, a
+    frozen, for under 5 ms (docs/results/issue24/README.md "Where the rest goes"). Objects built later, a
     reload's config included, are collected as before; the first config's are freed by reference
     counting once a reload replaces them, though a cycle among them would stay."""
     gc.collect()
