@@ -20,6 +20,7 @@ from urllib.parse import urlsplit, urlunsplit
 import yaml
 
 from extproc.config import Config, IdentitySource, Provider, envoy_check, envoy_render, parse_config
+from extproc.config.endpoints import dns_name
 from extproc.config.examples import example_config
 from irislab import envoy_config
 from irislab.processes import (
@@ -173,8 +174,14 @@ class LocalGateway(StartedTogether):
         return any(p.picks for p in self.config.providers)
 
     def replica_urls(self, name: str) -> list[str]:
-        """The base URL of each replica of simulated provider `name`."""
-        return [f"http://127.0.0.1:{process.port}" for process in self.pools[name]]
+        """The base URL of each replica of simulated provider `name`; for a provider whose
+        configured `endpoints` are one DNS name (a headless Service: extproc.config.endpoints.
+        dns_name), that name on each replica's port (a name such as `localhost` that resolves
+        to the simulators' 127.0.0.1; one replica: a name has one port)."""
+        configured = next((p.endpoints for p in self.config.providers if p.name == name), [])
+        named = dns_name(configured)
+        host = named[0] if named is not None else "127.0.0.1"
+        return [f"http://{host}:{process.port}" for process in self.pools[name]]
 
     def start(self) -> None:
         """Start Redis (unless `redis_url` was given, or the config names a Redis Cluster or
@@ -399,8 +406,8 @@ class LocalGateway(StartedTogether):
         """The bootstrap `iris-extproc envoy-config` renders from the config, the simulated
         providers' endpoints being their simulators, on this instance's ports."""
         endpoints = dict(self.engines)
-        for name, pool in self.pools.items():
-            endpoints[name] = [f"http://127.0.0.1:{process.port}" for process in pool]
+        for name in self.pools:
+            endpoints[name] = self.replica_urls(name)
         providers = [p.model_copy(update={"endpoints": endpoints.get(p.name, p.endpoints)}) for p in self.config.providers]
         config = self.config.model_copy(update={"providers": providers})
         bootstrap = envoy_render.render(config, envoy_config.load_envoy_yaml(self.envoy_source))

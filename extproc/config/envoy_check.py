@@ -35,7 +35,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from extproc.config import Affinity, Config, IdentitySource, Provider, ProviderKind
-from extproc.config.endpoints import EndpointError, pick_endpoints
+from extproc.config.endpoints import EndpointError, dns_name, pick_endpoints
 from extproc.config.schema import ServerSettings, SessionSignal
 from extproc.config.yaml_text import YamlTextError, parse_yaml
 
@@ -660,7 +660,9 @@ def _list(value: Any) -> list[Any]:
 def pick_cluster_problems(provider: Provider, clusters: dict[str, Any], envoy_name: str) -> list[str]:
     """A provider with affinity pick: its cluster balances by override_host reading the
     endpoint-picker protocol's header (or its `envoy.lb` metadata), with a consistent hash as the
-    fallback, and lists every endpoint the router may name (`ip:port`) as a STATIC host."""
+    fallback, and lists every endpoint the router may name (`ip:port`) as a STATIC host; for
+    endpoints that are one DNS name (extproc.config.endpoints.dns_name), is STRICT_DNS over
+    that name and port (each address Envoy resolves it to is a host, as the router resolves it)."""
     cluster = clusters.get(provider.cluster)
     if not provider.picks or cluster is None:
         return []
@@ -689,6 +691,12 @@ def pick_cluster_problems(provider: Provider, clusters: dict[str, Any], envoy_na
         _socket_identity(_dict(_dict(_dict(e).get("endpoint")).get("address")).get("socket_address"))
         for group in _list(_dict(cluster.get("load_assignment")).get("endpoints")) for e in _list(_dict(group).get("lb_endpoints"))
     }
+    name = dns_name(provider.endpoints)
+    if name is not None:  # one DNS name: Envoy must resolve it to every address, as the router does
+        if cluster.get("type") != "STRICT_DNS" or f"{name[0]}:{name[1]}" not in hosts:
+            problems.append(f"{where} is not STRICT_DNS over {name[0]}:{name[1]}, the name the router resolves to its endpoints: "
+                            "override_host only reaches a host of the cluster")
+        return problems
     try:
         missing = [e for e in pick_endpoints(provider.endpoints) if e not in hosts]
     except EndpointError as exc:

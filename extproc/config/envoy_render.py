@@ -30,7 +30,8 @@ routing config:
   of the template stays too, in its place (a JWKS cluster that jwt_authn fetches keys from, a
   collector's, ...); a rendered cluster replaces the template's of the same name.
 - a provider with affinity `pick` (the router picks the endpoint: `render_pick`): its cluster is
-  STATIC over the endpoints' `ip:port` identities, with Envoy's override_host load-balancing
+  STATIC over the endpoints' `ip:port` identities (STRICT_DNS over the name when the endpoints
+  are one DNS name, re-resolved every `routing.placement.dns_refresh_seconds`), with Envoy's override_host load-balancing
   policy reading the endpoint-picker protocol's header and `envoy.lb` metadata, MAGLEV on the
   session key as its fallback; the ext_proc filter accepts the `envoy.lb` namespace and the
   early header mutation removes a client's copy of the header.
@@ -45,7 +46,7 @@ import ipaddress
 from typing import Any
 from urllib.parse import urlsplit
 
-from extproc.config.endpoints import pick_endpoints, split_identity
+from extproc.config.endpoints import dns_name, pick_endpoints, split_identity
 from extproc.config.envoy_check import (
     DESTINATION_ENDPOINT_HEADER,
     EXT_PROC_FILTER,
@@ -343,7 +344,7 @@ def render_pick(bootstrap: dict[str, Any], config: Config, rendered: dict[str, d
     policy trusts its downstream: only the router may name the endpoint)."""
     picking = [p for p in config.providers if p.picks and p.cluster in rendered]
     for provider in picking:
-        pick_cluster(rendered[provider.cluster], provider)
+        pick_cluster(rendered[provider.cluster], provider, config.routing.placement.dns_refresh_seconds)
     if not picking:
         return
     for manager in connection_managers(bootstrap):
@@ -358,16 +359,26 @@ def render_pick(bootstrap: dict[str, Any], config: Config, rendered: dict[str, d
             mutations.append({"remove": DESTINATION_ENDPOINT_HEADER})
 
 
-def pick_cluster(cluster: dict[str, Any], provider: Provider) -> dict[str, Any]:
+def pick_cluster(cluster: dict[str, Any], provider: Provider, dns_refresh_seconds: float = 5.0) -> dict[str, Any]:
     """`cluster` (modified in place and returned) as the cluster of a provider with affinity
-    pick: STATIC over the endpoints' `ip:port` (extproc.config.endpoints: the names the router
-    sends, which override_host matches against the cluster's hosts), balanced by
-    `pick_policy`. Health checks, outlier detection and TLS stay as `_provider_cluster` made them."""
-    cluster["type"] = "STATIC"
-    cluster.pop("dns_lookup_family", None)
+    pick, balanced by `pick_policy`: STATIC over the endpoints' `ip:port` (extproc.config.
+    endpoints: the names the router sends, which override_host matches against the cluster's
+    hosts); for `endpoints` that are one DNS name (a headless Service), STRICT_DNS over that
+    name, re-resolved every `dns_refresh_seconds` (seconds; `dns_refresh_rate`), each address
+    a host on the name's port: the `ip:port`s the router resolves the name to (V4_PREFERRED on
+    both sides). Health checks, outlier detection and TLS stay as `_provider_cluster` made them."""
     cluster.pop("lb_policy", None)
     cluster.pop("common_lb_config", None)
-    endpoints = [split_identity(e) for e in pick_endpoints(provider.endpoints)]
+    name = dns_name(provider.endpoints)
+    if name is None:
+        cluster["type"] = "STATIC"
+        cluster.pop("dns_lookup_family", None)
+        endpoints = [split_identity(e) for e in pick_endpoints(provider.endpoints)]
+    else:
+        cluster["type"] = "STRICT_DNS"
+        cluster["dns_lookup_family"] = "V4_PREFERRED"
+        cluster["dns_refresh_rate"] = f"{dns_refresh_seconds:g}s"
+        endpoints = [name]
     cluster["load_assignment"] = {
         "cluster_name": cluster["name"],
         "endpoints": [{"lb_endpoints": [

@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 
 from pydantic import ValidationError
 
-from extproc.config.endpoints import EndpointError, pick_endpoints
+from extproc.config.endpoints import EndpointError, dns_name, pick_endpoints
 from extproc.config.schema import (
     FEATURE_CLASSES,
     REDIS_NODE_PATTERN,
@@ -302,10 +302,13 @@ def _pick_problems(at: str, provider: Provider) -> list[str]:
         ]
     if not provider.endpoints:
         return [f"{at}.endpoints: affinity pick needs the provider's endpoints (http(s)://ip:port, one per replica)"]
-    try:
-        identities = pick_endpoints(provider.endpoints)
-    except EndpointError as exc:
-        return [f"{at}.endpoints: {exc} (affinity pick names each endpoint by its ip:port)"]
+    if dns_name(provider.endpoints) is not None:
+        identities: tuple[str, ...] = ()  # one DNS name: resolved while serving, each address once (it may not resolve yet)
+    else:
+        try:
+            identities = pick_endpoints(provider.endpoints)
+        except EndpointError as exc:
+            return [f"{at}.endpoints: {exc} (affinity pick names each endpoint by its ip:port)"]
     repeated = sorted(e for e, n in Counter(identities).items() if n > 1)
     if repeated:
         return [f"{at}.endpoints: {', '.join(repeated)} listed more than once (affinity pick: one URL per replica)"]

@@ -296,7 +296,13 @@ class Placement(_Strict):
     With the defaults a full prefix match is worth 2 requests in flight: a hot prefix stays on
     the endpoint that holds it until that endpoint carries 2 more requests than another one,
     then spreads (pure prefix affinity piles a hot prefix on one replica: SGLang #21199,
-    AIBrix #1178)."""
+    AIBrix #1178).
+
+    `dns_refresh_seconds`: how often the endpoints of a provider whose `endpoints` are one DNS
+    name (a headless Service) are resolved again (seconds; Envoy's `dns_refresh_rate` of the
+    provider's STRICT_DNS cluster, default 5 s as Envoy's). An address that appears is a new
+    endpoint and moves no session; one that disappears moves only its own sessions; a failed
+    or empty answer keeps the endpoints known (docs/operations.md "Real fleets")."""
 
     prefix_weight: float = Field(default=2.0, ge=0)
     load_weight: float = Field(default=1.0, gt=0)
@@ -304,6 +310,7 @@ class Placement(_Strict):
     max_blocks: int = Field(default=32, ge=1, le=256)
     index_blocks_per_endpoint: int = Field(default=4096, ge=1, le=1_000_000)
     index_ttl_seconds: float = Field(default=3600.0, gt=0)
+    dns_refresh_seconds: float = Field(default=5.0, ge=0.1, le=3600)
 
 
 class RoutingSettings(_Strict):
@@ -412,7 +419,9 @@ class Provider(_Strict):
     on Envoy's host; default: the system's, /etc/ssl/certs/ca-certificates.crt) and its name
     against the endpoint's host, which it also sends as SNI.
     With affinity `pick` each URL is one endpoint, known by its `ip:port` as Envoy knows it
-    (`pick_endpoints`: a host name is resolved once, when the config is loaded).
+    (`pick_endpoints`: a host name is resolved once, when the config is loaded), except when
+    `endpoints` is one URL whose host is a DNS name: then each address the name resolves to is
+    an endpoint, resolved again every `routing.placement.dns_refresh_seconds`.
     `affinity` (default: `session_hash` for a managed provider, `none` for an unlimited one, which
     never receives a session key): see Affinity. `router_session_header`: with `own_router`, a
     preset (`dynamo`, `llm-d`, `sglang`, `vllm-router`) or the header's own name.

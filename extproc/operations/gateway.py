@@ -2,7 +2,8 @@
 runs it until SIGTERM or SIGINT (`serve`), then drains.
 
 Background loops (extproc.supervision): the degraded-flag refresh, the instance heartbeat (which
-also watches the routing state's epoch) and, while the Redis breaker is open, the Redis probe.
+also watches the routing state's epoch), while the Redis breaker is open, the Redis probe, and
+the re-resolution of pick providers' DNS names (extproc.routing.endpoint_refresh).
 The drain sequence is docs/operations.md "Draining".
 """
 
@@ -33,6 +34,7 @@ from extproc.protocol.live import build_live
 from extproc.protocol.stream import ExternalProcessor
 from extproc.protocol.tracing import start_tracing
 from extproc.routing.degraded import DegradedFlags
+from extproc.routing.endpoint_refresh import EndpointRefresh
 from extproc.routing.lease_table import LeaseTable
 from extproc.routing.outage import InstanceRegistry, OutagePolicy, RedisBreaker
 from extproc.routing.queue import Wakeups
@@ -76,6 +78,7 @@ class Gateway:
         self.outage = OutagePolicy(config, live.router, self.registry)
         self.leases = LeaseTable(config, live.state, live.router, self.outage, self.breaker)
         self.health = HealthMonitor(config, self.redis, self.degraded)
+        self.endpoint_refresh = EndpointRefresh(lambda: self.leases.state)  # the live state's DNS names
         self.tracer = start_tracing(config.tracing)  # restart-only: None while tracing is off
         self.processor = ExternalProcessor(live, self.leases, self.breaker, observer=self.health, tracer=self.tracer)
         self._retired_monitors: set[asyncio.Task] = set()
@@ -118,6 +121,8 @@ class Gateway:
             asyncio.create_task(run_every("heartbeat", self._heartbeat_once, redis.instance_heartbeat_seconds)),
             asyncio.create_task(run_every("redis_probe", self._probe_once, redis.probe_interval_seconds)),
             asyncio.create_task(run_every("queue_wakeups", self._listen_for_wakeups, redis.probe_interval_seconds)),
+            asyncio.create_task(run_every("endpoint_refresh", self.endpoint_refresh.run, 0,
+                                          max_backoff_seconds=self.config.routing.placement.dns_refresh_seconds)),
         ]
         sample = exporter.track_process_gauges(lambda: self.breaker.is_open, lambda: self.leases.local_leases)
         if sample is not None:  # several workers: their files, written once a second

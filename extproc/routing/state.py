@@ -30,7 +30,7 @@ from redis.exceptions import RedisError, ResponseError
 
 from extproc import metrics
 from extproc.config import Config, Provider, ProviderKind
-from extproc.config.endpoints import pick_endpoints
+from extproc.config.endpoints import EndpointError, pick_endpoints
 from extproc.routing.placement import current_blocks, current_chained
 from extproc.storage.client import LuaScript, RedisClient, connect  # noqa: F401 (connect: re-exported)
 from extproc.storage.keys import Keyspace
@@ -315,6 +315,7 @@ class RoutingState:
             if share is not None:
                 unlimited = ",".join(p.name for p in providers if p.kind is ProviderKind.UNLIMITED)
                 self._share_args[model] = [round(share.window_seconds * 1000), round(share.max_share * 1_000_000), share.burst, unlimited]
+        self._endpoints = {p.name: _initial_endpoints(p) for p in config.providers if p.picks}
         self._pick_keys: dict[str, list[str]] = {}
         self._pick_args: dict[str, list[object]] = {}
         for model in config.models():
@@ -333,7 +334,30 @@ class RoutingState:
                 self._queue_default[model] = QueueArgs(
                     [c.name for c in queue.classes].index(default.name), default.use_reserved_slots, "", "", "none", default.max_depth
                 )
-        self._segments = _Segments(self, packed=hot_path is not None and packed)
+        self._packed = hot_path is not None and packed
+        self._segments = _Segments(self, packed=self._packed)
+
+    def endpoints(self, provider: str) -> tuple[str, ...]:
+        """The endpoints (`ip:port`) placement chooses among for `provider` (affinity pick; ()
+        for another provider)."""
+        return self._endpoints.get(provider, ())
+
+    def set_endpoints(self, provider: str, endpoints: tuple[str, ...]) -> None:
+        """Place `provider`'s requests on `endpoints` (`ip:port`, in the order every proxy uses:
+        extproc.config.endpoints.name_endpoints) from the next script call on; the refresh of a
+        DNS name calls it (extproc.routing.endpoint_refresh). A provider without affinity pick
+        is ignored. Nothing in Redis changes: each endpoint's leases and prefix index are keyed by
+        its `ip:port`, so an endpoint that stays keeps its count and index and its sessions (a
+        pin records its endpoint), one that leaves stops being read (its sessions are placed
+        again at their next turn; its leases end by their deadline) and one that comes is an
+        endpoint with nothing yet (docs/routing-state.md "Endpoint placement")."""
+        if provider not in self._endpoints or self._endpoints[provider] == endpoints:
+            return
+        self._endpoints[provider] = tuple(endpoints)
+        for model in self.config.models():
+            if any(p.name == provider for p in self.config.providers_for(model)):
+                self._pick_keys[model], self._pick_args[model] = self._pick_section(model)
+        self._segments = _Segments(self, packed=self._packed)  # swapped whole: a call reads one or the other
 
     def _pick_section(self, model: str) -> tuple[list[str], list[object]]:
         """The constant KEYS and ARGV of affinity pick for `model` (lua/lib.lua read_pick): per
@@ -344,7 +368,7 @@ class RoutingState:
         for provider in self.config.providers_for(model):
             if not provider.picks:
                 continue
-            endpoints = pick_endpoints(provider.endpoints)
+            endpoints = self._endpoints[provider.name]
             keys += [self.keys.endpoint_leases(model, provider.name, e) for e in endpoints]
             keys += [self.keys.endpoint_prefixes(model, provider.name, e) for e in endpoints]
             args += [provider.name, _limit(provider.models[model].max_in_flight_per_endpoint), len(endpoints), *endpoints]
@@ -357,7 +381,7 @@ class RoutingState:
 
     def picks(self, model: str) -> bool:
         """Whether some provider of `model` has affinity pick (its admissions place on endpoints)."""
-        return bool(self._pick_keys.get(model))
+        return bool(self._pick_args.get(model, [0])[0])
 
     def queue_enabled(self, model: str) -> bool:
         """Whether the admission queue is on for `model` (some class may wait: docs/queue.md)."""
@@ -627,7 +651,7 @@ class RoutingState:
                 keys += segments.queue_keys[model]
                 queue_section = self._queue_section(model, queue or self._queue_default[model])
             constants = segments.model_args_share[model] if shared else segments.model_args[model]
-            pick_pairs = bool(self._pick_keys[model])
+            pick_pairs = bool(self._pick_args[model][0])  # as read_pick reads it: a pair may have no endpoint yet (DNS)
             placing = script in PLACING_SCRIPTS and pick_pairs
             blocks = current_blocks() if placing else ()
             chained = ((current_chained() if placing else None) or ("", "")) if pick_pairs else ()
@@ -714,6 +738,18 @@ class _Segments:
 
 def _packed(values: list[object]) -> list[object]:
     return [Packed(values)]
+
+
+def _initial_endpoints(provider: Provider) -> tuple[str, ...]:
+    """The endpoints of pick `provider` when its config is loaded. A DNS name that does not
+    resolve yet (a headless Service with no ready replica answers NXDOMAIN) gives none: every
+    admission on the pair is refused as at its cap until the refresh finds an address
+    (extproc.routing.endpoint_refresh); URLs were resolved when the config was validated."""
+    try:
+        return pick_endpoints(provider.endpoints)
+    except EndpointError as exc:
+        log.warning("provider %s: no endpoint yet (%s); its requests go elsewhere until the name resolves", provider.name, exc)
+        return ()
 
 
 def _limits_args(config: Config, model: str, providers: list[Provider]) -> list[object]:

@@ -227,3 +227,36 @@ def envoy_connections(gateway: LocalGateway, port: int) -> int:
     text = httpx.get(f"http://127.0.0.1:{gateway.running[0].admin_port}/clusters", timeout=5).text
     prefix = f"iris-1::127.0.0.1:{port}::cx_active::"
     return next((int(line[len(prefix):]) for line in text.splitlines() if line.startswith(prefix)), 0)
+
+
+@pytest.fixture
+def named_pool(tmp_path):
+    """The pool's endpoints as one DNS name (a headless Service's form): `localhost`, which
+    resolves to the simulator's 127.0.0.1 (the lab puts the simulator's port on the name)."""
+    data = pick_config()
+    data["providers"][0]["endpoints"] = ["http://localhost:1"]
+    data["routing"] = {"placement": {"dns_refresh_seconds": 0.5}}
+    sim = ProviderSimulation(ttft_ms=1, per_token_ms=1)
+    gateway = LocalGateway(config_data=data, default_simulation=sim, work_dir=tmp_path / "named")
+    with gateway:
+        yield gateway
+
+
+def test_a_pool_named_by_dns_is_picked_by_address_through_a_strict_dns_cluster(named_pool):
+    """The router resolves the name to its `ip:port` endpoints and picks among them; Envoy's
+    cluster is STRICT_DNS over the same name (its hosts are the addresses Envoy resolved), and
+    override_host reaches the picked address: every turn answers from the replica, named by
+    address in `x-iris-endpoint`, while the refresh runs every 0.5 s."""
+    port = named_pool.pools["iris-1"][0].port
+    text = httpx.get(f"http://127.0.0.1:{named_pool.running[0].admin_port}/clusters", timeout=5).text
+    assert f"iris-1::127.0.0.1:{port}::hostname::localhost" in text, "Envoy resolved the name to the replica's address"
+    with httpx.Client(timeout=30) as client:
+        for turn in range(3):
+            for session in range(4):
+                response = chat(client, named_pool.url, session, turn, {"x-gateway-destination-endpoint": "127.0.0.1:9"})
+                assert response.status_code == 200, response.text
+                assert response.headers["x-iris-provider"] == "iris-1"
+                assert response.headers["x-iris-endpoint"] == f"127.0.0.1:{port}", "picked by the address the name resolves to"
+    prefix = f"iris-1::127.0.0.1:{port}::rq_success::"
+    stats = httpx.get(f"http://127.0.0.1:{named_pool.running[0].admin_port}/clusters", timeout=5).text
+    assert any(line == prefix + "12" for line in stats.splitlines()), "each request reached the resolved host"

@@ -67,6 +67,41 @@ def test_a_gateway_in_front_of_the_configs_own_endpoints(replicas, tmp_path):
         assert "iris-1-spread" in envoy_file and "MAGLEV" in envoy_file
 
 
+@pytest.mark.parametrize("named", [False, True], ids=["urls", "one-dns-name"])
+def test_a_gateway_that_picks_the_replica_of_the_configs_own_endpoints(replicas, tmp_path, named):
+    """`iris-lab up --real-providers` with affinity pick: the router picks among the config's
+    own endpoints (two URLs, or one DNS name, `localhost`, which resolves to one of them) and
+    Envoy's rendered override_host cluster (STATIC, or STRICT_DNS over the name) sends each
+    request to the replica the router named in `x-iris-endpoint`; a session keeps it."""
+    endpoints = [replicas[0].replace("127.0.0.1", "localhost")] if named else replicas
+    names = {url.rsplit("/", 1)[1].replace("localhost", "127.0.0.1"): f"pool-{'ab'[i]}" for i, url in enumerate(replicas)}
+    limits = {"max_global_in_flight_request_slots": 16}
+    config = {
+        "redis": {"key_prefix": "rendered-pick"},
+        "server": {"expose_routing_headers": True},
+        "providers": [
+            {"name": "iris-1", "kind": "managed", "cluster": "iris-1", "affinity": "pick", "endpoints": endpoints,
+             "models": {MODEL: {"features": ["chat"], "limits": limits, "max_in_flight_per_endpoint": 4}}},
+            {"name": "tensorx", "kind": "unlimited", "cluster": "tensorx", "models": {MODEL: {"features": ["chat"]}}},
+        ],
+    }
+    with LocalGateway(config_data=config, real_providers=True, work_dir=tmp_path / "gateway") as gateway:
+        homes: dict[str, str] = {}
+        with httpx.Client(timeout=30) as client:
+            for turn in range(2):
+                for session in range(8):
+                    body = {"model": MODEL, "messages": [{"role": "user", "content": f"session {session} turn {turn}"}], "max_tokens": 2}
+                    response = client.post(f"{gateway.url}/v1/chat/completions", json=body, headers={"x-session-id": f"s{session}"})
+                    assert response.status_code == 200 and response.headers["x-iris-provider"] == "iris-1", response.text
+                    served = response.headers["x-simulator-name"]
+                    assert names[response.headers["x-iris-endpoint"]] == served, "Envoy sent it where the router picked"
+                    assert homes.setdefault(f"s{session}", served) == served
+        assert set(homes.values()) == ({"pool-a"} if named else {"pool-a", "pool-b"})
+        envoy_file = (gateway.work_dir / "envoy-0.yaml").read_text()
+        assert "envoy.load_balancing_policies.override_host" in envoy_file
+        assert ("STRICT_DNS" in envoy_file) is named
+
+
 class Simulators:
     """Simulated providers started by the test (HTTPS with `cert`), stopped by pid at the end."""
 

@@ -40,7 +40,9 @@ def test_pick_needs_endpoints_that_name_distinct_replicas():
     assert any("affinity pick needs the provider's endpoints" in p for p in problems(fleet(endpoints=[])))
     doubled = problems(fleet(endpoints=["http://127.0.0.11:8080", "http://127.0.0.11:8080/"]))
     assert any("127.0.0.11:8080 listed more than once" in p for p in doubled)
-    assert any("does not resolve" in p for p in problems(fleet(endpoints=["http://no-such-host.invalid:8080"])))
+    assert any("does not resolve" in p for p in problems(fleet(endpoints=["http://127.0.0.11:8080", "http://no-such-host.invalid:8080"])))
+    # One DNS name is a headless Service, resolved while serving: it may have no ready replica yet.
+    assert parse_config(fleet(endpoints=["http://no-such-host.invalid:8080"])).providers[0].endpoints == ["http://no-such-host.invalid:8080"]
 
 
 def test_pick_needs_limits_so_that_every_request_takes_a_lease():
@@ -103,3 +105,32 @@ def test_check_refuses_a_pool_cluster_that_cannot_take_the_pick():
     manager = open_header["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
     manager["early_header_mutation_extensions"][0]["typed_config"]["mutations"].remove({"remove": HEADER})
     assert any(f"no early header mutation removes {HEADER!r}" in p for p in envoy_check.check(config, open_header))
+
+
+def test_one_dns_name_renders_a_strict_dns_cluster_that_check_accepts_and_envoy_runs(tmp_path):
+    """Endpoints as one DNS name (a headless Service): the pool's cluster is STRICT_DNS over the
+    name, refreshed on `routing.placement.dns_refresh_seconds`, so Envoy's hosts follow the
+    name's addresses as the router's endpoints do; `check` accepts it and refuses a STATIC or
+    LOGICAL_DNS cluster in its place (neither follows every address)."""
+    data = fleet(endpoints=["http://localhost:8081"])
+    data["routing"] = {"placement": {"dns_refresh_seconds": 2.5}}
+    config = parse_config(data)
+    bootstrap = render(config, envoy_check.load_bootstrap(envoy_yaml()))
+    assert envoy_check.check(config, bootstrap) == []
+    pool = {c["name"]: c for c in bootstrap["static_resources"]["clusters"]}["pool"]
+    assert (pool["type"], pool["dns_lookup_family"], pool["dns_refresh_rate"]) == ("STRICT_DNS", "V4_PREFERRED", "2.5s")
+    hosts = [e["endpoint"]["address"]["socket_address"] for e in pool["load_assignment"]["endpoints"][0]["lb_endpoints"]]
+    assert hosts == [{"address": "localhost", "port_value": 8081}]
+    assert pool["load_balancing_policy"]["policies"][0]["typed_extension_config"]["name"] == "envoy.load_balancing_policies.override_host"
+    path = tmp_path / "envoy.yaml"
+    path.write_text(yaml.safe_dump(bootstrap))
+    result = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(path)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    for kind in ("STATIC", "LOGICAL_DNS"):
+        wrong = copy.deepcopy(bootstrap)
+        {c["name"]: c for c in wrong["static_resources"]["clusters"]}["pool"]["type"] = kind
+        assert any("is not STRICT_DNS over localhost:8081" in p for p in envoy_check.check(config, wrong)), kind
+    other_name = copy.deepcopy(bootstrap)
+    {c["name"]: c for c in other_name["static_resources"]["clusters"]}["pool"]["load_assignment"]["endpoints"][0]["lb_endpoints"][0][
+        "endpoint"]["address"]["socket_address"]["address"] = "pool.other.svc"
+    assert any("is not STRICT_DNS over localhost:8081" in p for p in envoy_check.check(config, other_name))
