@@ -1,0 +1,130 @@
+"""Endpoint health for affinity pick (extproc.routing.endpoint_health, lua/lib.lua `endpoint_down`):
+a flagged endpoint leaves placement and only its sessions move; every endpoint out degrades the
+pair as any degraded pair. Real Redis, explicit script times (ms); the flags' own times are Redis
+time, far after T0, so a flag set here holds for the calls below."""
+
+from __future__ import annotations
+
+import pytest
+
+from extproc.routing.degraded import ENDPOINTS as ENDPOINTS_SOURCE
+from extproc.routing.degraded import DegradedFlags
+from extproc.routing.endpoint_health import CONNECT, HEALTH, MANUAL, EndpointHealth
+from extproc.routing.router import Router, RoutingRequest
+from extproc.routing.state import Result, RoutingState
+from tests.unit.routing.test_endpoint_pick import ENDPOINTS, T0, pick_config
+
+SESSIONS = [f"s{i}" for i in range(9)]
+
+
+@pytest.fixture
+async def pool(redis_client, redis_url):
+    """A pick pair of 3 endpoints without a cap per endpoint, 9 sessions placed (3 on each)."""
+    config = pick_config(redis_url, cap=None)
+    state = RoutingState(redis_client, config)
+    homes = {}
+    for session in SESSIONS:
+        admission = await state.try_admit_unpinned_session_request("iris-1", "m", session, now_ms=T0)
+        assert admission.result is Result.ADMITTED
+        homes[session] = admission.lease.endpoint
+    assert sorted(homes.values()) == sorted(ENDPOINTS * 3), "equal load: three sessions each"
+    return config, state, homes, EndpointHealth(redis_client, config.redis.key_prefix)
+
+
+async def turns(state, now):
+    """Every session's next turn: session -> (endpoint, pin id)."""
+    out = {}
+    for session in SESSIONS:
+        admission = await state.try_admit_pinned_session_request("m", session, now_ms=now)
+        assert admission.result is Result.ADMITTED
+        out[session] = (admission.lease.endpoint, admission.pin.id)
+    return out
+
+
+@pytest.mark.parametrize("source", [MANUAL, HEALTH, CONNECT])
+async def test_a_flagged_endpoint_moves_only_its_sessions(pool, source):
+    config, state, homes, health = pool
+    first = await turns(state, T0 + 1)
+    out = ENDPOINTS[1]
+    await health.set("iris-1", "m", out, f"{source}: test", 60, source)
+    after = await turns(state, T0 + 2)
+    for session in SESSIONS:
+        endpoint, pin_id = after[session]
+        assert pin_id == first[session][1], "the pin stays on the provider"
+        if homes[session] == out:
+            assert endpoint != out, f"{session} left the flagged endpoint"
+        else:
+            assert endpoint == homes[session], f"{session} on a healthy endpoint stays"
+    admission = await state.try_admit_request_without_pin("iris-1", "m", now_ms=T0 + 3)
+    assert out not in admission.lease.endpoints, "a flagged endpoint is no fallback either"
+    # Cleared: the moved sessions keep their new endpoint (the pin recorded it); nobody moves back.
+    assert await health.clear("iris-1", "m", out, source)
+    assert not await health.clear("iris-1", "m", out, source)
+    again = await turns(state, T0 + 4)
+    assert {s: e for s, (e, _) in again.items()} == {s: e for s, (e, _) in after.items()}
+
+
+async def test_one_source_never_clears_another(pool):
+    config, state, homes, health = pool
+    out = ENDPOINTS[0]
+    await health.set("iris-1", "m", out, "drained by ops", 60, MANUAL)
+    await health.set("iris-1", "m", out, "connect: refused", 60, CONNECT)
+    assert await health.clear("iris-1", "m", out, CONNECT)
+    assert [(f.endpoint, f.source, f.reason) for f in await health.flags("iris-1", "m")] == [(out, MANUAL, "drained by ops")]
+    assert all(endpoint != out for endpoint, _ in (await turns(state, T0 + 1)).values())
+
+
+async def test_a_flag_expires_by_redis_time(redis_client, redis_url):
+    config = pick_config(redis_url, cap=None)
+    health = EndpointHealth(redis_client, config.redis.key_prefix)
+    await health.set("iris-1", "m", ENDPOINTS[0], "short", 0.05, MANUAL)
+    assert await health.flags("iris-1", "m")
+    key = health.keys.endpoint_health("m", "iris-1")
+    assert 0 < await redis_client.pttl(key) <= 50, "the hash lives as long as its longest flag"
+    state = RoutingState(redis_client, config)
+    for _ in range(200):  # bounded wait on the flag's expiry (Redis time)
+        if not await redis_client.exists(key):
+            break
+        await redis_client.execute_command("DEBUG", "SLEEP", "0.01")
+    placed = {(await state.try_admit_request_without_pin("iris-1", "m", now_ms=None)).lease.endpoint for _ in range(6)}
+    assert ENDPOINTS[0] in placed
+
+
+async def test_passive_failures_take_an_endpoint_out_after_the_threshold(pool):
+    config, state, homes, health = pool
+    out = ENDPOINTS[2]
+    assert not await health.record_failure("iris-1", "m", out, "status 503", 10, 3, 30)
+    assert not await health.record_failure("iris-1", "m", out, "status 503", 10, 3, 30)
+    assert not (await health.flags("iris-1", "m"))
+    assert await health.record_failure("iris-1", "m", out, "status 503", 10, 3, 30)
+    [flag] = await health.flags("iris-1", "m")
+    assert (flag.endpoint, flag.source) == (out, "passive") and 25 < flag.ttl_seconds <= 30
+    moved = await turns(state, T0 + 1)
+    assert all(endpoint != out for endpoint, _ in moved.values())
+    assert all(moved[s][0] == homes[s] for s in SESSIONS if homes[s] != out)
+
+
+async def test_every_endpoint_out_degrades_the_pair(pool, redis_client):
+    config, state, homes, health = pool
+    flags = DegradedFlags(redis_client, config)
+    router = Router(config, state, flags)
+    for endpoint in ENDPOINTS[:2]:
+        await health.set("iris-1", "m", endpoint, "drained", 60, MANUAL)
+    await flags.refresh()
+    assert not flags.is_degraded("iris-1", "m"), "one endpoint left: the pair serves on it"
+    await health.set("iris-1", "m", ENDPOINTS[2], "drained", 60, MANUAL)
+    # Until this instance's refresh, the scripts find nowhere to place: the pair answers full.
+    refused = await state.try_admit_pinned_session_request("m", SESSIONS[0], now_ms=T0 + 1)
+    assert refused.result is Result.GLOBAL_IN_FLIGHT_REQUEST_LIMIT_REACHED
+    await flags.refresh()
+    assert flags.is_degraded("iris-1", "m")
+    assert ENDPOINTS_SOURCE in flags.flags("iris-1", "m")
+    assert "every endpoint out" in flags.reasons()[("iris-1", "m")]
+    assert [p.name for p in router.eligible(_chat_request())] == ["iris-2", "tensorx"], "the pair is not eligible: as degraded"
+    await health.clear("iris-1", "m", ENDPOINTS[0], MANUAL)
+    await flags.refresh()
+    assert not flags.is_degraded("iris-1", "m")
+
+
+def _chat_request():
+    return RoutingRequest(model="m", feature="chat", sub_features=frozenset(), session_id="x")
