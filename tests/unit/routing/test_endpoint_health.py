@@ -5,13 +5,18 @@ time, far after T0, so a flag set here holds for the calls below."""
 
 from __future__ import annotations
 
-import pytest
+import asyncio
 
+import pytest
+import yaml
+
+from extproc import cli
 from extproc.routing.degraded import ENDPOINTS as ENDPOINTS_SOURCE
 from extproc.routing.degraded import DegradedFlags
 from extproc.routing.endpoint_health import CONNECT, HEALTH, MANUAL, EndpointHealth
 from extproc.routing.router import Router, RoutingRequest
 from extproc.routing.state import Result, RoutingState
+from tests.support.configs import small_config_data
 from tests.unit.routing.test_endpoint_pick import ENDPOINTS, T0, pick_config
 
 SESSIONS = [f"s{i}" for i in range(9)]
@@ -128,3 +133,60 @@ async def test_every_endpoint_out_degrades_the_pair(pool, redis_client):
 
 def _chat_request():
     return RoutingRequest(model="m", feature="chat", sub_features=frozenset(), session_id="x")
+
+
+def _pick_yaml(tmp_path, redis_url) -> str:
+    data = small_config_data(redis_url)
+    pool = data["providers"][0]
+    pool["affinity"] = "pick"
+    pool["endpoints"] = [f"http://{e}" for e in ENDPOINTS]
+    path = tmp_path / "pick.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return str(path)
+
+
+async def cli_main(*argv: str) -> int:
+    """`iris-extproc ARGV` in a thread: it runs its own event loop."""
+    return await asyncio.to_thread(cli.main, list(argv))
+
+
+async def test_a_drain_names_one_endpoint(pool, tmp_path, redis_url, capsys):
+    config, state, homes, health = pool
+    path = _pick_yaml(tmp_path, redis_url)
+    out = ENDPOINTS[0]
+    assert await cli_main("drain", "iris-1", "--model", "m", "--endpoint", out, "--reason", "kernel upgrade", "--config", path) == 0
+    assert capsys.readouterr().out == f"drained iris-1 m endpoint {out}\n"
+    moved = await turns(state, T0 + 1)
+    assert all(moved[s][0] != out for s in SESSIONS)
+    assert all(moved[s][0] == homes[s] for s in SESSIONS if homes[s] != out), "only the drained endpoint's sessions move"
+    assert await cli_main("status", "--config", path) == 0
+    [line] = [line for line in capsys.readouterr().out.splitlines() if line.startswith("iris-1") and " m " in line]
+    assert "healthy" in line and f"endpoint {out} out: manual: kernel upgrade" in line, line
+    assert await cli_main("undrain", "iris-1", "--endpoint", out, "--model", "m", "--config", path) == 0
+    assert await cli_main("undrain", "iris-1", "--endpoint", out, "--model", "m", "--config", path) == 0
+    assert capsys.readouterr().out == f"undrained iris-1 m endpoint {out}\niris-1 m endpoint {out} was not drained\n"
+    assert await health.flags("iris-1", "m") == []
+
+
+async def test_drain_wait_by_endpoint_waits_for_its_requests_only(redis_client, redis_url, tmp_path, capsys):
+    config = pick_config(redis_url, cap=None)
+    state = RoutingState(redis_client, config)
+    leases = [(await state.try_admit_request_without_pin("iris-1", "m", now_ms=None)).lease for _ in range(6)]  # Redis time
+    path = _pick_yaml(tmp_path, redis_url)
+    out = ENDPOINTS[1]
+    argv = ("drain", "iris-1", "--model", "m", "--endpoint", out, "--wait", "--wait-timeout", "0.3", "--config", path)
+    assert await cli_main(*argv) == 1, "two requests still run on the endpoint"
+    assert "still 2 requests in flight on endpoint" in capsys.readouterr().err
+    for lease in leases:
+        if lease.endpoint == out:
+            await state.release_request_lease(lease, refresh_pin=False, now_ms=None)
+    assert await cli_main(*argv) == 0, "the other endpoints' requests do not hold the drain"
+    assert f"no request in flight on endpoint {out}" in capsys.readouterr().out
+
+
+async def test_a_drain_refuses_an_endpoint_the_provider_does_not_have(tmp_path, redis_url):
+    path = _pick_yaml(tmp_path, redis_url)
+    with pytest.raises(SystemExit, match="not an endpoint of iris-1"):
+        cli.main(["drain", "iris-1", "--endpoint", "10.0.0.1:80", "--config", path])
+    with pytest.raises(SystemExit, match="does not have affinity pick"):
+        cli.main(["drain", "iris-2", "--endpoint", ENDPOINTS[0], "--config", path])
