@@ -9,13 +9,17 @@ import asyncio
 
 import pytest
 import yaml
+from aiohttp import web
 
 from extproc import cli
+from extproc.config import parse_config
+from extproc.operations.health import HealthMonitor, _EndpointCheckTask, endpoint_check_url
 from extproc.routing.degraded import ENDPOINTS as ENDPOINTS_SOURCE
 from extproc.routing.degraded import DegradedFlags
 from extproc.routing.endpoint_health import CONNECT, HEALTH, MANUAL, EndpointHealth
 from extproc.routing.router import Router, RoutingRequest
 from extproc.routing.state import Result, RoutingState
+from irislab.processes import free_port
 from tests.support.configs import small_config_data
 from tests.unit.routing.test_endpoint_pick import ENDPOINTS, T0, pick_config
 
@@ -190,3 +194,100 @@ async def test_a_drain_refuses_an_endpoint_the_provider_does_not_have(tmp_path, 
         cli.main(["drain", "iris-1", "--endpoint", "10.0.0.1:80", "--config", path])
     with pytest.raises(SystemExit, match="does not have affinity pick"):
         cli.main(["drain", "iris-2", "--endpoint", ENDPOINTS[0], "--config", path])
+
+
+async def test_a_connect_failure_on_a_pick_pair_takes_out_its_endpoint_not_the_pair(pool, redis_client):
+    config, state, homes, health = pool
+    flags = DegradedFlags(redis_client, config)
+    monitor = HealthMonitor(config, redis_client, flags)
+    out = ENDPOINTS[1]
+    await monitor.connection_failed(config.provider("iris-1"), "m", "upstream_reset_before_response_started{connection_failure}", out)
+    assert not flags.is_degraded("iris-1", "m"), "the pair keeps serving on its other endpoints"
+    [flag] = await health.flags("iris-1", "m")
+    assert (flag.endpoint, flag.source) == (out, CONNECT)
+    moved = await turns(state, T0 + 1)
+    assert all(moved[s][0] != out for s in SESSIONS)
+    assert all(moved[s][0] == homes[s] for s in SESSIONS if homes[s] != out)
+    await monitor.close()
+
+
+async def test_a_5xx_burst_of_one_endpoint_takes_out_that_endpoint(pool, redis_client):
+    config, state, homes, health = pool
+    flags = DegradedFlags(redis_client, config)
+    monitor = HealthMonitor(config, redis_client, flags)
+    out = ENDPOINTS[0]
+    for _ in range(config.degradation.passive.failures - 1):
+        assert not await monitor.record_endpoint_failure("iris-1", "m", out, "status 503")
+    assert await monitor.record_endpoint_failure("iris-1", "m", out, "status 503")
+    assert not flags.is_degraded("iris-1", "m")
+    assert [(f.endpoint, f.source) for f in await health.flags("iris-1", "m")] == [(out, "passive")]
+
+
+class Replica:
+    """A loopback HTTP server whose /health answers `status` (None: the port is closed)."""
+
+    def __init__(self):
+        self.status = 200
+        self.port = free_port()
+        self.runner = None
+
+    async def start(self):
+        app = web.Application()
+        async def health(_request):
+            return web.Response(status=self.status)
+
+        app.router.add_get("/health", health)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+
+    async def stop(self):
+        if self.runner is not None:
+            await self.runner.cleanup()
+            self.runner = None
+
+
+async def test_the_active_check_runs_against_each_endpoint(redis_client, redis_url):
+    replicas = [Replica() for _ in range(3)]
+    for replica in replicas:
+        await replica.start()
+    try:
+        data = small_config_data(redis_url)
+        pool_provider = data["providers"][0]
+        pool_provider["affinity"] = "pick"
+        pool_provider["endpoints"] = [f"http://127.0.0.1:{r.port}" for r in replicas]
+        pool_provider["health_check"] = {"url": "http://pool.invalid:8000/health?x=1", "interval_seconds": 60,
+                                         "failures_before_degraded": 2, "successes_before_healthy": 1}
+        config = parse_config(data)
+        flags = DegradedFlags(redis_client, config)
+        monitor = HealthMonitor(config, redis_client, flags)
+        health = EndpointHealth(redis_client, config.redis.key_prefix)
+        monitor.start()  # its loops' first probe (one failure of two at most) writes nothing; the steps below are this test's
+        try:
+            endpoints = [f"127.0.0.1:{r.port}" for r in replicas]
+            assert endpoint_check_url("http://u:p@pool.invalid:8000/health?x=1", endpoints[0]) == f"http://{endpoints[0]}/health?x=1"
+            replicas[1].status = 503
+            await replicas[2].stop()  # refuses connections
+            # Each check's second failure takes its endpoint out; the first endpoint stays.
+            steps = {e: _EndpointCheckTask(monitor, config.provider("iris-1"), config.provider("iris-1").health_check, e)
+                     for e in endpoints}
+            for _ in range(2):
+                for step in steps.values():
+                    await step.step()
+            out = {(f.endpoint, f.source) for f in await health.flags("iris-1", "m")}
+            assert out == {(endpoints[1], HEALTH), (endpoints[2], HEALTH)}
+            assert all("health: GET http://127.0.0.1:" in f.reason for f in await health.flags("iris-1", "m"))
+            assert not flags.is_degraded("iris-1", "m")
+            await replicas[0].stop()
+            for _ in range(2):
+                await steps[endpoints[0]].step()
+            assert flags.is_degraded("iris-1", "m"), "every endpoint out: the pair is degraded"
+            replicas[1].status = 200
+            await steps[endpoints[1]].step()
+            assert {f.endpoint for f in await health.flags("iris-1", "m")} == {endpoints[0], endpoints[2]}
+            assert not flags.is_degraded("iris-1", "m")
+        finally:
+            await monitor.close()
+    finally:
+        for replica in replicas:
+            await replica.stop()
