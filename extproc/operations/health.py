@@ -20,6 +20,11 @@ refresh interval and one source never clears another's (nor an operator's drain)
   session's next turn repins instead of meeting the same dead provider until the active check
   notices. The pair's next 2xx response or a healthy check of the provider clears it.
 
+On a provider with affinity `pick`, the active, passive and connect sources judge each endpoint
+instead of the pair: the check is sent to each endpoint, and a failure counts against the endpoint
+that answered (Envoy's `upstream.address`); their flags (extproc.routing.endpoint_health) take
+only that endpoint out of placement, and the pair is degraded once every endpoint is out.
+
 Unlimited providers are never degraded (the spec): they get no checks and no failure counting.
 """
 
