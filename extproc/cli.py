@@ -247,6 +247,9 @@ def _parser(defaults: EnvironmentDefaults | None = None) -> argparse.ArgumentPar
         cmd = command(name, helptext)
         cmd.add_argument("provider", help="the provider's name in the routing config")
         cmd.add_argument("--model", help="only this model (default: every model of the provider)")
+        cmd.add_argument("--endpoint", metavar="IP:PORT",
+                         help="only this endpoint of a provider with affinity pick: placement avoids it and its "
+                              "sessions move to the others at their next turn; the rest of the pool keeps serving")
         _add_config(cmd, defaults)
         _add_redis_url(cmd, defaults)
         if name == "drain":
@@ -446,12 +449,15 @@ def _undrain(args) -> int:
 
 
 def _set_manual_flags(args, drain: bool) -> int:
-    """Set (drain) or clear (undrain) the operator's degraded flag of each pair named; with
+    """With `--endpoint`, `_set_endpoint_flags`. Otherwise set (drain) or clear (undrain) the
+    operator's degraded flag of each pair named; with
     `--wait`, then wait for the pairs' running requests to end (`_wait_for_no_requests`). An
     undrain of a pair that was not drained says so and succeeds (idempotent). Exit code 1, with
     one line on stderr, when Redis cannot be reached."""
     config = load_config(args.config)
     settings = redis_settings(config.redis, args.redis_url)
+    if args.endpoint is not None:
+        return _set_endpoint_flags(args, config, settings, drain)
 
     async def run() -> int:
         redis = open_redis(settings)
@@ -512,6 +518,84 @@ async def _wait_for_no_requests(redis, config: Config, pairs: list[tuple[str, st
         if key != last or now - last_printed >= DRAIN_WAIT_PROGRESS_SECONDS:
             print(f"waiting: {total} requests in flight ({running or 'none yet'}), {waited:.1f} s", flush=True)
             last, last_printed = key, now
+        await asyncio.sleep(DRAIN_WAIT_POLL_SECONDS)
+
+
+def _set_endpoint_flags(args, config: Config, settings: RedisSettings, drain: bool) -> int:
+    """Set (drain) or clear (undrain) the operator's flag of one endpoint (`--endpoint`,
+    `ip:port` as the provider's `endpoints` resolve) on each pair named (extproc.routing.
+    endpoint_health; read by the placing scripts, so every proxy's next decision sees it). With
+    `--wait`, then wait until no request runs on that endpoint. Exit code 2 (SystemExit) for a
+    provider without affinity pick or an endpoint not among its own; 1 when Redis cannot be
+    reached or the wait times out."""
+    from extproc.config.endpoints import pick_endpoints
+    from extproc.routing.endpoint_health import EndpointHealth
+
+    provider = _provider_or_exit(config, args.provider)
+    if not provider.picks:
+        raise SystemExit(f"iris-extproc: {provider.name} does not have affinity pick: --endpoint names an endpoint the router picks")
+    endpoints = pick_endpoints(provider.endpoints)
+    if args.endpoint not in endpoints:
+        raise SystemExit(f"iris-extproc: {args.endpoint} is not an endpoint of {provider.name} (its endpoints: {', '.join(endpoints)})")
+
+    async def run() -> int:
+        redis = open_redis(settings)
+        try:
+            pairs = _pairs(DegradedFlags(redis, config), config, provider.name, args.model)
+            health = EndpointHealth(redis, config.redis.key_prefix)
+            drained_at = time.monotonic()
+            for name, model in pairs:
+                if drain:
+                    await health.set(name, model, args.endpoint, f"manual: {args.reason}", args.ttl_seconds, MANUAL)
+                    print(f"drained {name} {model} endpoint {args.endpoint}", flush=True)
+                elif await health.clear(name, model, args.endpoint, MANUAL):
+                    print(f"undrained {name} {model} endpoint {args.endpoint}", flush=True)
+                else:
+                    print(f"{name} {model} endpoint {args.endpoint} was not drained", flush=True)
+            if drain and args.wait:
+                return await _wait_for_no_endpoint_requests(redis, health, pairs, args.endpoint, drained_at, args.wait_timeout)
+            return 0
+        finally:
+            await redis.aclose()
+
+    try:
+        return asyncio.run(run())
+    except REDIS_FAILURES as exc:
+        print(f"iris-extproc: cannot reach Redis at {_redis_address(settings)}: {exc}", file=sys.stderr)
+        return 1
+
+
+def _provider_or_exit(config: Config, name: str):
+    try:
+        return config.provider(name)
+    except KeyError:
+        raise SystemExit(f"iris-extproc: no provider named {name!r} in the configuration") from None
+
+
+async def _wait_for_no_endpoint_requests(redis, health, pairs: list[tuple[str, str]], endpoint: str, drained_at: float,
+                                         timeout_seconds: float) -> int:
+    """Poll every DRAIN_WAIT_POLL_SECONDS until no live lease counts on `endpoint` of any of
+    `pairs` (the endpoint's lease zsets, against Redis time). No refresh to wait for: the
+    scripts read the endpoint's flag in the admission itself. Exit code 0, or 1 after
+    `timeout_seconds` (seconds). Raises RedisError."""
+    last_printed = float("-inf")
+    while True:
+        seconds, micros = await redis.time()
+        now_ms = int(seconds) * 1000 + int(micros) // 1000
+        total = 0
+        for provider, model in pairs:
+            total += await redis.zcount(health.keys.endpoint_leases(model, provider, endpoint), f"({now_ms}", "+inf")
+        waited = time.monotonic() - drained_at
+        if total == 0:
+            print(f"no request in flight on endpoint {endpoint} after {waited:.1f} s", flush=True)
+            return 0
+        if waited >= timeout_seconds:
+            print(f"iris-extproc: still {total} requests in flight on endpoint {endpoint} after {timeout_seconds:g} s; "
+                  "the drain stays", file=sys.stderr)
+            return 1
+        if time.monotonic() - last_printed >= DRAIN_WAIT_PROGRESS_SECONDS:
+            print(f"waiting: {total} requests in flight on endpoint {endpoint}, {waited:.1f} s", flush=True)
+            last_printed = time.monotonic()
         await asyncio.sleep(DRAIN_WAIT_POLL_SECONDS)
 
 
@@ -578,7 +662,7 @@ def _status(args) -> int:
         queued_head = f"{'queued':<24}" if queues else ""
         print(f"{'provider':<16}{'kind':<11}{'model':<28}{'in-flight':<11}{'pins':<16}{queued_head}{'state':<10}why")
         for pair in fleet.pairs:
-            why = "; ".join(_flag_text(f) for f in pair.flags)
+            why = "; ".join([*(_flag_text(f) for f in pair.flags), *(_endpoint_flag_text(f) for f in pair.endpoint_flags)])
             if pair.kind == "unlimited":
                 why = "unlimited: never degraded"
             in_flight, pins = _of_limit(pair.in_flight, pair.in_flight_limit), _of_limit(pair.pins, pair.pin_limit)
@@ -724,6 +808,11 @@ def _redis_address(settings) -> str:
         return f"sentinel service {settings.sentinel.service_name} ({','.join(settings.sentinel.sentinels)})"
     parts = urlsplit(settings.url)
     return f"{parts.hostname}:{parts.port or 6379}"
+
+
+def _endpoint_flag_text(flag) -> str:
+    """An endpoint flag of a pick pair (extproc.routing.endpoint_health) in `status`'s why."""
+    return f"endpoint {flag.endpoint} out: {_flag_text(flag)}"
 
 
 def _flag_text(flag) -> str:

@@ -94,7 +94,9 @@ class HealthCheck(_Strict):
     """An active HTTP health check of a managed provider, run by every ext_proc instance: a GET
     of `url` every `interval_seconds` that must answer 2xx within `timeout_seconds`. After
     `failures_before_degraded` failures in a row the provider is marked degraded (every model),
-    after `successes_before_healthy` successes in a row it is healthy again."""
+    after `successes_before_healthy` successes in a row it is healthy again. With `affinity:
+    pick` the check is sent to each endpoint (the URL's path and query against its `ip:port`) and
+    takes only a failing endpoint out of placement (docs/routing-state.md "Endpoint health")."""
 
     url: str = Field(pattern=r"^https?://")
     interval_seconds: float = Field(default=5.0, gt=0)

@@ -21,13 +21,14 @@ import concurrent.futures
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import orjson
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from extproc.config import Config, ConfigError, ProviderKind, parse_config
 from extproc.routing.degraded import MANUAL, SOURCES, Flag
+from extproc.routing.endpoint_health import EndpointFlag, live_flags
 from extproc.routing.state import script_body
 from extproc.storage.client import RedisClient
 from extproc.storage.keys import Keyspace
@@ -60,6 +61,8 @@ class PairState:
     pin_limit: int | None
     flags: list[Flag] = field(default_factory=list)
     queued: dict[str, int] = field(default_factory=dict)  # live tickets per priority class (docs/queue.md); {} while off
+    # Affinity pick: the flags that take endpoints out of placement (extproc.routing.endpoint_health).
+    endpoint_flags: list[EndpointFlag] = field(default_factory=list)
 
     @property
     def state(self) -> str:
@@ -110,6 +113,11 @@ class FleetStateReader:
             if queue.enabled(model):
                 key_list += [keys.tickets(model), *(keys.queue(model, p.name) for p in providers)]
             models.append((model, providers, key_list, flags))
+        # Pick pairs: their endpoint health hashes, read in the same pipeline.
+        self._endpoint_health = [
+            (p.name, model, keys.endpoint_health(model, p.name))
+            for p in config.providers if p.kind is ProviderKind.MANAGED and p.picks for model in p.models
+        ]
         self._read_plan = (config, models)
 
     @property
@@ -123,8 +131,12 @@ class FleetStateReader:
             for model, providers, key_list, flag_keys in models:
                 classes = len(config.routing.queue.classes) if config.routing.queue.enabled(model) else 0
                 pipe.eval(self._script, len(key_list), *key_list, len(providers), len(flag_keys), classes)
+            endpoint_health = self._endpoint_health
+            for _, _, key in endpoint_health:
+                pipe.hgetall(key)
             pipe.eval(_INSTANCES_SCRIPT, 1, self._instances_key)
             replies = await pipe.execute()
+        endpoint_replies = replies[len(models) : len(models) + len(endpoint_health)]
         by_pair: dict[tuple[str, str], PairState] = {}
         now_ms = 0
         for (model, providers, _, flag_keys), reply in zip(models, replies):
@@ -153,6 +165,9 @@ class FleetStateReader:
                     flags=flags.get(provider.name, []),
                     queued={name: int(queued[i * len(class_names) + c]) for c, name in enumerate(class_names)} if queued else {},
                 )
+        for (provider_name, model, _), raw in zip(endpoint_health, endpoint_replies):
+            if (provider_name, model) in by_pair and raw:
+                by_pair[(provider_name, model)] = replace(by_pair[(provider_name, model)], endpoint_flags=live_flags(raw, now_ms))
         pairs = [by_pair[(p.name, m)] for p in config.providers_in_priority_order() for m in p.models]
         return FleetState(now_ms, int(replies[-1]), pairs)
 

@@ -20,6 +20,11 @@ refresh interval and one source never clears another's (nor an operator's drain)
   session's next turn repins instead of meeting the same dead provider until the active check
   notices. The pair's next 2xx response or a healthy check of the provider clears it.
 
+On a provider with affinity `pick`, the active, passive and connect sources judge each endpoint
+instead of the pair: the check is sent to each endpoint, and a failure counts against the endpoint
+that answered (Envoy's `upstream.address`); their flags (extproc.routing.endpoint_health) take
+only that endpoint out of placement, and the pair is degraded once every endpoint is out.
+
 Unlimited providers are never degraded (the spec): they get no checks and no failure counting.
 """
 
@@ -37,7 +42,9 @@ from redis.asyncio import Redis
 
 from extproc import metrics
 from extproc.config import Config, HealthCheck, LoadGauge, Provider, ProviderKind
+from extproc.config.endpoints import pick_endpoints
 from extproc.routing.degraded import CONNECT, HEALTH, LOAD, PASSIVE, DegradedFlags
+from extproc.routing.endpoint_health import EndpointHealth
 from extproc.routing.state import script_source
 from extproc.storage.client import REDIS_FAILURES, LuaScript, in_own_task
 from extproc.storage.keys import Keyspace
@@ -132,7 +139,10 @@ class HealthMonitor:
         self._managed = {p.name for p in config.providers if p.kind is ProviderKind.MANAGED}
         self._tasks: set[asyncio.Task] = set()
         self._http: aiohttp.ClientSession | None = None
-        self._failures: asyncio.Queue[tuple[str, str, str]] = asyncio.Queue(maxsize=PASSIVE_QUEUE_SIZE)
+        # Passive failures to write: (provider, model, what, endpoint or None: the pair's).
+        self._failures: asyncio.Queue[tuple[str, str, str, str | None]] = asyncio.Queue(maxsize=PASSIVE_QUEUE_SIZE)
+        self.endpoints = EndpointHealth(redis, config.redis.key_prefix)
+        self._picks = {p.name for p in config.providers if p.kind is ProviderKind.MANAGED and p.picks}
 
     def start(self) -> None:
         """Start the passive check's writers and one supervised task per configured health
@@ -148,10 +158,14 @@ class HealthMonitor:
         self._http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))
         for provider in checks:
             if provider.health_check is not None:
-                check = _HealthCheckTask(self, provider, provider.health_check)
                 interval = provider.health_check.interval_seconds
-                # Backoff at most one interval: a restarted check renews the flag before its TTL.
-                self._spawn(run_every(f"health:{provider.name}", check.step, interval, max_backoff_seconds=interval))
+                # Affinity pick: the check against each endpoint, whose flag takes only it out.
+                steps = [(f"health:{provider.name}:{e}", _EndpointCheckTask(self, provider, provider.health_check, e).step)
+                         for e in pick_endpoints(provider.endpoints)] if provider.name in self._picks else [
+                         (f"health:{provider.name}", _HealthCheckTask(self, provider, provider.health_check).step)]
+                for name, step in steps:
+                    # Backoff at most one interval: a restarted check renews the flag before its TTL.
+                    self._spawn(run_every(name, step, interval, max_backoff_seconds=interval))
             if provider.load is not None:
                 gauge = _LoadGaugeTask(self, provider, provider.load)
                 interval = provider.load.interval_seconds
@@ -167,31 +181,62 @@ class HealthMonitor:
         if self._http is not None:
             await self._http.close()
 
-    def observe(self, provider: Provider, model: str, status: int | None) -> None:
+    def observe(self, provider: Provider, model: str, status: int | None, endpoint: str | None = None) -> None:
         """Passive check: the response status of a request sent to (provider, model), or None
         when the stream ended without response headers. A 5xx is queued for the writers (the
         response is never delayed); with the queue full it is dropped and counted in
-        iris_upstream_failures_dropped_total. Anything else is ignored."""
+        iris_upstream_failures_dropped_total. Anything else is ignored. On a pair with affinity
+        pick, `endpoint` (`ip:port`, the host that answered) counts the failure against that
+        endpoint alone (its burst takes the endpoint out, not the pair)."""
         if status is None or status < 500 or not self.passive.enabled or provider.name not in self._managed:
             return
         metrics.child(metrics.UPSTREAM_FAILURES, provider.name, model).inc()
+        endpoint = endpoint if provider.name in self._picks else None
         try:
-            self._failures.put_nowait((provider.name, model, f"status {status}"))
+            self._failures.put_nowait((provider.name, model, f"status {status}", endpoint))
         except asyncio.QueueFull:
             metrics.FAILURES_DROPPED.inc()
 
     async def _write_one_failure(self) -> None:
-        provider, model, what = await self._failures.get()
-        await self.record_failure(provider, model, what)
+        provider, model, what, endpoint = await self._failures.get()
+        if endpoint is None:
+            await self.record_failure(provider, model, what)
+        else:
+            await self.record_endpoint_failure(provider, model, endpoint, what)
 
-    async def connection_failed(self, provider: Provider, model: str, what: str) -> None:
+    async def record_endpoint_failure(self, provider: str, model: str, endpoint: str, what: str) -> bool:
+        """Record one failure of a pick pair's endpoint (`ip:port`) in Redis; returns whether it
+        took the endpoint out (the pair's passive settings: failures within the window, out for
+        the cool-down). A Redis error is logged and answered False."""
+        passive = self.passive
+        try:
+            out = await self.endpoints.record_failure(
+                provider, model, endpoint, what, passive.window_seconds, passive.failures, passive.cooldown_seconds
+            )
+            if out:
+                await self.flags.refresh()  # every endpoint out degrades the pair: seen here at once
+        except REDIS_FAILURES as exc:
+            log.warning("upstream failure of %s %s endpoint %s not recorded: %s", provider, model, endpoint, exc)
+            return False
+        if out:
+            metrics.child(metrics.DEGRADATIONS, provider, PASSIVE).inc()
+            log.warning("%s %s endpoint %s out for %g s: %s", provider, model, endpoint, passive.cooldown_seconds, what)
+        return out
+
+    async def connection_failed(self, provider: Provider, model: str, what: str, endpoint: str | None = None) -> None:
         """Connect source: Envoy could not reach (provider, model) (connection refused or reset
         before the response headers; `what` is Envoy's response code details). Degrades the
         pair at once, in Redis and in this instance's snapshot, so the next decision here avoids
-        it; every other instance sees it at its next refresh. Awaited by the caller (one Redis
-        round trip on a failed request only); a Redis error is logged, never raised."""
+        it; every other instance sees it at its next refresh. On a pair with affinity pick and a
+        known `endpoint` (`ip:port`), takes only that endpoint out instead (every proxy's next
+        placement avoids it; it comes back when its TTL ends or the endpoint's health check
+        passes). Awaited by the caller (one Redis round trip on a failed request only, two when
+        an endpoint goes out); a Redis error is logged, never raised."""
         connect = self.config.degradation.connect
         if not connect.enabled or provider.name not in self._managed:
+            return
+        if endpoint is not None and provider.name in self._picks:
+            await self._endpoint_connect_failed(provider, model, what, endpoint)
             return
         reason = f"connect: {what[:200]}"
         try:
@@ -201,6 +246,18 @@ class HealthMonitor:
             return
         metrics.child(metrics.DEGRADATIONS, provider.name, CONNECT).inc()
         log.warning("%s %s degraded for %g s: %s", provider.name, model, connect.ttl_seconds, reason)
+
+    async def _endpoint_connect_failed(self, provider: Provider, model: str, what: str, endpoint: str) -> None:
+        connect = self.config.degradation.connect
+        reason = f"connect: {what[:200]}"
+        try:
+            await in_own_task(self.endpoints.set(provider.name, model, endpoint, reason, connect.ttl_seconds, CONNECT))
+            await in_own_task(self.flags.refresh())  # every endpoint out degrades the pair: seen here at once
+        except REDIS_FAILURES as exc:
+            log.warning("connect failure of %s %s endpoint %s not recorded: %s", provider.name, model, endpoint, exc)
+            return
+        metrics.child(metrics.DEGRADATIONS, provider.name, CONNECT).inc()
+        log.warning("%s %s endpoint %s out for %g s: %s", provider.name, model, endpoint, connect.ttl_seconds, reason)
 
     def succeeded(self, provider: Provider, model: str) -> None:
         """A 2xx response of (provider, model): clears the pair's connect flag if this instance's
@@ -295,6 +352,63 @@ class _HealthCheckTask:
                 await self.monitor.flags.clear_many(connected, CONNECT)
         except REDIS_FAILURES as exc:
             log.warning("health state of %s not written: %s", name, exc)
+
+
+def endpoint_check_url(url: str, endpoint: str) -> str:
+    """The health check `url` sent to one endpoint (`ip:port`) of a pick pool: its scheme, path
+    and query against the endpoint's address (user info dropped)."""
+    parts = urlsplit(url)
+    return urlunsplit((parts.scheme, endpoint, parts.path, parts.query, ""))
+
+
+class _EndpointCheckTask:
+    """The active check of one endpoint of a provider with affinity pick: the provider's health
+    check URL against the endpoint's address, with the check's streak settings; its `health`
+    flag (extproc.routing.endpoint_health) takes the endpoint out of placement on every model of
+    the provider, and a passing check clears it and the endpoint's `connect` flags."""
+
+    def __init__(self, monitor: HealthMonitor, provider: Provider, check: HealthCheck, endpoint: str):
+        self.monitor = monitor
+        self.check = check
+        self.endpoint = endpoint
+        self.pairs = monitor.flags.pairs(provider.name)
+        self.streak = Streak(check.failures_before_degraded, check.successes_before_healthy)
+        self.ttl = max(check.interval_seconds, check.timeout_seconds) * monitor._ttl_intervals
+        self.url = endpoint_check_url(check.url, endpoint)
+        self.shown = display_url(self.url)
+        self.last_failure = ""
+        self.must_clear = False
+
+    async def step(self) -> None:
+        check, streak, endpoints = self.check, self.streak, self.monitor.endpoints
+        ok, detail = await self.monitor._probe(self.url, self.shown, check.timeout_seconds)
+        provider = self.pairs[0][0] if self.pairs else ""
+        metrics.child(metrics.HEALTH_CHECKS, provider, "ok" if ok else "failed").inc()
+        was_out = streak.degraded
+        if not ok:
+            self.last_failure = detail
+        try:
+            if streak.record(ok):
+                reason = (f"health: recovering, {streak.successes} of {check.successes_before_healthy} successes "
+                          f"(last failure: {self.last_failure})") if ok else f"health: {detail} ({streak.failures} failures in a row)"
+                for name, model in self.pairs:
+                    await endpoints.set(name, model, self.endpoint, reason, self.ttl, HEALTH)
+                if not was_out:
+                    metrics.child(metrics.DEGRADATIONS, provider, HEALTH).inc()
+                    log.warning("%s endpoint %s out: %s", provider, self.endpoint, reason)
+                    await self.monitor.flags.refresh()  # every endpoint out degrades the pair: seen here at once
+            elif was_out or self.must_clear:
+                self.must_clear = True
+                for name, model in self.pairs:
+                    await endpoints.clear(name, model, self.endpoint, HEALTH)
+                self.must_clear = False
+                log.warning("%s endpoint %s healthy again: %s", provider, self.endpoint, detail)
+                await self.monitor.flags.refresh()
+            if ok:
+                for name, model in self.pairs:
+                    await endpoints.clear(name, model, self.endpoint, CONNECT)
+        except REDIS_FAILURES as exc:
+            log.warning("health state of %s endpoint %s not written: %s", provider, self.endpoint, exc)
 
 
 class _LoadGaugeTask:

@@ -112,6 +112,16 @@ def upstream_unreachable(request: ProcessingRequest) -> str | None:
     return None
 
 
+def upstream_address(request: ProcessingRequest) -> str | None:
+    """For a response-headers message: the `ip:port` of the upstream host that answered or failed
+    (Envoy's `upstream.address` attribute, asked for in envoy/envoy.yaml's `response_attributes`),
+    or None when Envoy sent none (no host was selected, or the attribute is not asked for)."""
+    attributes = request.attributes.get(EXT_PROC_ATTRIBUTES)
+    if attributes is None or "upstream.address" not in attributes.fields:
+        return None
+    return attributes.fields["upstream.address"].string_value or None
+
+
 def header_mutation(set_headers: dict[str, str] | None = None, remove: list[str] | None = None) -> HeaderMutation:
     """A HeaderMutation that overwrites `set_headers` and removes `remove`."""
     return HeaderMutation(

@@ -63,11 +63,11 @@ class UpstreamObserver(Protocol):
     """What the stream loop reports of each routed request's response headers (implemented by
     extproc.operations.health.HealthMonitor: passive health and the connect degradation)."""
 
-    async def connection_failed(self, provider: Provider, model: str, what: str) -> None: ...
+    async def connection_failed(self, provider: Provider, model: str, what: str, endpoint: str | None = None) -> None: ...
 
     def succeeded(self, provider: Provider, model: str) -> None: ...
 
-    def observe(self, provider: Provider, model: str, status: int | None) -> None: ...
+    def observe(self, provider: Provider, model: str, status: int | None, endpoint: str | None = None) -> None: ...
 
 @dataclass
 class StreamState:
@@ -393,11 +393,12 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
             if unreachable is not None:
                 extra["retry-after"] = str(self.config.server.retry_after_seconds)
             if self.observer is not None:
+                endpoint = await self._observe_picked_endpoint(decision, stream.model, request, unreachable)
                 if unreachable is not None:
-                    await self.observer.connection_failed(decision.provider, stream.model, unreachable)
+                    await self.observer.connection_failed(decision.provider, stream.model, unreachable, endpoint)
                 elif 200 <= stream.status < 300:
                     self.observer.succeeded(decision.provider, stream.model)
-                self.observer.observe(decision.provider, stream.model, stream.status)
+                self.observer.observe(decision.provider, stream.model, stream.status, endpoint)
             if self.config.server.expose_routing_headers:
                 extra |= {"x-iris-provider": decision.provider.name, "x-iris-route-reason": decision.reason.value}
                 if decision.lease is not None and decision.lease.endpoint is not None:  # affinity pick
@@ -412,6 +413,23 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
             if stream.lookup is not None and stream.reader is None:  # answered, and its status is not read
                 self._spawn_chain_task(refresh_looked_up(self.chains, stream.lookup, None))
         return msg.continue_response_headers(extra or None, read_body, remove)
+
+    async def _observe_picked_endpoint(
+        self, decision: Decision, model: str, request: ProcessingRequest, unreachable: str | None
+    ) -> str | None:
+        """Affinity pick: the endpoint (`ip:port`) that answered or failed, Envoy's
+        `upstream.address`, else the one picked; None on any other pair. When Envoy answered
+        from another endpoint than the one picked, the picked one failed before anything was
+        sent (the route retries only then, or override_host found it unusable): it is reported as
+        a connection failure of that endpoint, which takes it out (extproc.operations.health)."""
+        picked = decision.lease.endpoint if decision.lease is not None else None
+        if picked is None:
+            return None
+        answered_by = msg.upstream_address(request) or picked
+        if answered_by != picked:
+            what = f"{picked} failed before the response headers; {answered_by} answered " + (unreachable or "")
+            await self.observer.connection_failed(decision.provider, model, what.strip(), picked)
+        return answered_by
 
     def _body_readers(self, stream: StreamState, request: ProcessingRequest) -> tuple[str | None, list[str] | None]:
         """For a 2xx answer: set up what reads or rewrites its body (the Responses id and status,

@@ -10,7 +10,9 @@ never ends an operator's drain):
 - `load`: a Prometheus gauge over its threshold (extproc.operations.health);
 - `connect`: Envoy saw the provider refuse the connection or reset it before the response
   headers; short-lived, set at once by the instance that saw it and cleared by the pair's next
-  2xx or a healthy check (extproc.operations.health).
+  2xx or a healthy check (extproc.operations.health);
+- `endpoints` (derived, never written): a pair with affinity `pick` whose every endpoint is out
+  (extproc.routing.endpoint_health), read with the flags in the same pipelined round trip.
 
 A flag is a Redis string ``{prefix:model}:degraded:<provider>:<source>`` whose value says why (for
 example `manual: drained by ops`) and whose TTL bounds how long it holds without being renewed.
@@ -23,11 +25,14 @@ waits on it and all proxies agree within one refresh interval.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 from redis.asyncio import Redis
 
 from extproc.config import Config, ProviderKind
+from extproc.config.endpoints import pick_endpoints
+from extproc.routing.endpoint_health import live_flags
 from extproc.storage.client import REDIS_FAILURES
 from extproc.storage.keys import Keyspace
 from extproc.supervision import run_every
@@ -42,6 +47,7 @@ PASSIVE = "passive"
 LOAD = "load"
 CONNECT = "connect"
 SOURCES = (MANUAL, HEALTH, PASSIVE, LOAD, CONNECT)
+ENDPOINTS = "endpoints"  # derived: every endpoint of a pick pair is out
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +79,11 @@ class DegradedFlags:
         for provider, model in pairs:
             by_model.setdefault(model, []).extend((provider, source) for source in SOURCES)
         self._pairs, self._by_model = pairs, by_model
+        # Pick pairs: (provider, model) -> their endpoints (`ip:port`).
+        self._pick_pairs = {
+            (p.name, model): pick_endpoints(p.endpoints)
+            for p in config.providers if p.kind is ProviderKind.MANAGED and p.picks for model in p.models
+        }
         self._writes += 1  # a refresh under way read the old pairs: drop it
 
     def is_degraded(self, provider: str, model: str) -> bool:
@@ -132,7 +143,8 @@ class DegradedFlags:
             self._note(provider, model, source, None)
 
     async def refresh(self) -> dict[tuple[str, str], str]:
-        """Reload the snapshot from Redis (one pipelined round trip). A reload that began before
+        """Reload the snapshot from Redis (one pipelined round trip: the flags, and the endpoint
+        flags of pick pairs for the derived `endpoints` source). A reload that began before
         a local `set` or `clear` finished is dropped (it may predate the write), so this instance
         never un-sees its own flag. Raises RedisError."""
         writes = self._writes
@@ -140,11 +152,19 @@ class DegradedFlags:
         async with self.redis.pipeline(transaction=False) as pipe:
             for model, provider, source in flag_keys:
                 pipe.get(self.keys.degraded(model, provider, source))
+            pick_pairs = list(self._pick_pairs.items())
+            for (provider, model), _ in pick_pairs:
+                pipe.hgetall(self.keys.endpoint_health(model, provider))
             replies = await pipe.execute()
         flags: dict[tuple[str, str], dict[str, str]] = {}
         for (model, provider, source), value in zip(flag_keys, replies):
             if value is not None:
                 flags.setdefault((provider, model), {})[source] = _text(value)
+        now_ms = time.time() * 1000  # the flags' until is Redis time: a snapshot's hint, as its TTLs
+        for (pair, endpoints), raw in zip(pick_pairs, replies[len(flag_keys):]):
+            out = {flag.endpoint for flag in live_flags(raw, now_ms)}
+            if endpoints and out.issuperset(endpoints):
+                flags.setdefault(pair, {})[ENDPOINTS] = f"endpoints: every endpoint out ({', '.join(endpoints)})"
         if self._writes == writes:
             self._flags = flags
         return self.reasons()
@@ -175,7 +195,7 @@ class DegradedFlags:
         self._writes += 1
         flags = dict(self._flags)  # copy on write: readers may hold the old snapshot
         if by_source:
-            flags[(provider, model)] = {s: by_source[s] for s in SOURCES if s in by_source}
+            flags[(provider, model)] = {s: by_source[s] for s in (*SOURCES, ENDPOINTS) if s in by_source}
         else:
             flags.pop((provider, model), None)
         self._flags = flags

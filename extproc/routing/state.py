@@ -361,7 +361,7 @@ class RoutingState:
 
     def _pick_section(self, model: str) -> tuple[list[str], list[object]]:
         """The constant KEYS and ARGV of affinity pick for `model` (lua/lib.lua read_pick): per
-        pick pair its endpoints' lease and prefix-index keys; its name, cap per endpoint, the
+        pick pair its endpoints' lease and prefix-index keys and its endpoint health flags; its name, cap per endpoint, the
         endpoints; then the placement's settings. ([], ["0"]) without a pick pair."""
         keys: list[str] = []
         args: list[object] = [0]
@@ -371,6 +371,7 @@ class RoutingState:
             endpoints = self._endpoints[provider.name]
             keys += [self.keys.endpoint_leases(model, provider.name, e) for e in endpoints]
             keys += [self.keys.endpoint_prefixes(model, provider.name, e) for e in endpoints]
+            keys.append(self.keys.endpoint_health(model, provider.name))
             args += [provider.name, _limit(provider.models[model].max_in_flight_per_endpoint), len(endpoints), *endpoints]
             args[0] += 1
         if args[0]:

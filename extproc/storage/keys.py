@@ -91,6 +91,16 @@ class Keyspace:
         endpoint last served it, Redis time ms), trimmed to the latest ones."""
         return f"{self.tag(model)}:endpoint-prefixes:{provider}:{endpoint}"
 
+    def endpoint_health(self, model: str, provider: str) -> str:
+        """The health flags of a pick pair's endpoints (hash: "<ip:port> <source>" -> "<until,
+        Redis time ms> <reason>"; extproc.routing.endpoint_health), read by the placing scripts."""
+        return f"{self.tag(model)}:endpoint-health:{provider}"
+
+    def endpoint_failures(self, model: str, provider: str, endpoint: str) -> str:
+        """One endpoint's recent upstream failures (zset: failure id -> Redis time, ms): the
+        passive check per endpoint (lua/endpoint_failure.lua)."""
+        return f"{self.tag(model)}:endpoint-failures:{provider}:{endpoint}"
+
     def share_admissions(self, model: str, identity_key: str) -> str:
         """routing.third_party_share: an identity's admissions of `model` in the window (zset:
         lease id -> Redis time, ms); `identity_key` is a keyed hash of the identity."""

@@ -199,10 +199,10 @@ def lone_pool(tmp_path):
 
 
 def test_a_dead_replicas_sessions_are_served_by_the_next_endpoint_of_the_pick(lone_pool):
-    """No per-endpoint health yet (issue 30): the router still picks a killed replica for its
-    sessions, Envoy's connection is refused, and the route's retry policy takes the next
-    endpoint of the pick's list (nothing was sent, nothing is generated twice). The other
-    sessions keep their replica."""
+    """A killed replica's connection is refused and the route's retry policy takes the next
+    endpoint of the pick's list (nothing was sent, nothing is generated twice); the server then
+    takes the dead endpoint out (test_endpoint_health_through_envoy). The other sessions keep
+    their replica."""
     home: dict[int, str] = {}
     with httpx.Client(timeout=30) as client:
         for session in range(SESSIONS):

@@ -70,15 +70,17 @@ end
 -- request's prompt blocks: k, then k chained block hashes (k = 0: none, or a call that places
 -- nothing); when m > 0, then the provider name and endpoint that store the previous response of
 -- a Responses turn ("", "": none). KEYS from `keys_at`: per pair, its E endpoints' lease zsets
--- (lease id -> deadline ms) then their E prefix indexes (block hash -> last served ms). Sets
--- p.pick on each pair and ctx.placement, ctx.blocks, ctx.chained (nil: none); returns the
+-- (lease id -> deadline ms) then their E prefix indexes (block hash -> last served ms), then the
+-- pair's endpoint health flags (endpoint_down). Sets p.pick on each pair and ctx.placement,
+-- ctx.blocks, ctx.chained (nil: none); returns the
 -- position of the first op argument.
 local function read_pick(ctx, at, keys_at)
   local m = tonumber(ARGV[at])
   at = at + 1
   for _ = 1, m do
     local e = tonumber(ARGV[at + 2])
-    local pick = {cap = tonumber(ARGV[at + 1]), endpoints = {}, index = {}, leases = {}, prefixes = {}}
+    local pick = {cap = tonumber(ARGV[at + 1]), endpoints = {}, index = {}, leases = {}, prefixes = {},
+      health = KEYS[keys_at + 2 * e]}
     for j = 1, e do
       pick.endpoints[j] = ARGV[at + 2 + j]
       pick.index[ARGV[at + 2 + j]] = j
@@ -90,7 +92,7 @@ local function read_pick(ctx, at, keys_at)
       p.pick = pick
     end
     at = at + 3 + e
-    keys_at = keys_at + 2 * e
+    keys_at = keys_at + 2 * e + 1
   end
   if m > 0 then
     ctx.placement = {prefix_weight = tonumber(ARGV[at]), load_weight = tonumber(ARGV[at + 1]),
@@ -305,9 +307,27 @@ local function prefix_overlap(ctx, pick, j)
   return lo
 end
 
--- Pair p's endpoints under their cap, best first (a list of endpoint indexes; empty when every
--- endpoint is at its cap). `sticky` (an index or nil): the session's pinned endpoint, first while
--- under its cap; the fallbacks after it are then ranked by load alone (the common path of a
+-- The endpoints of pick pair p that some health flag takes out of placement now (a set:
+-- `ip:port` -> true). The pair's flags are one hash (extproc.routing.endpoint_health): field
+-- "<ip:port> <source>", value "<until ms> <reason>"; a flag holds while its until is in the
+-- future (the writers drop the expired ones). O(flags of the pair): none on a healthy pair.
+local function endpoint_down(ctx, p)
+  local down = {}
+  local flags = redis.call('HGETALL', p.pick.health)
+  for i = 1, #flags, 2 do
+    local until_ms = tonumber(string.match(flags[i + 1], '^(%d+)'))
+    if until_ms and until_ms > ctx.now then
+      down[string.match(flags[i], '^(%S+)')] = true
+    end
+  end
+  return down
+end
+
+-- Pair p's healthy endpoints under their cap, best first (a list of endpoint indexes; empty when
+-- every endpoint is out or at its cap). An endpoint a health flag holds (endpoint_down) is never
+-- ranked: a session pinned there is placed again, as a new one (its pin's endpoint changes at
+-- its admission); sessions on the other endpoints keep theirs. `sticky` (an index or nil): the
+-- session's pinned endpoint, first while under its cap; the fallbacks after it are then ranked by load alone (the common path of a
 -- pinned turn reads no prefix index). Otherwise by placement score (prefix weight x overlap
 -- share - load weight x in-flight count), then fewer in flight, then a rotation by the lease id,
 -- so that equal endpoints share new work instead of the first one taking it all.
@@ -317,12 +337,16 @@ local function rank_endpoints(ctx, p, sticky, lease_id)
   if sticky and (pick.cap == NO_LIMIT or live_count(pick.leases[sticky], ctx.now) < pick.cap) then
     k = 0
   end
+  local down = endpoint_down(ctx, p)
+  if sticky and down[pick.endpoints[sticky]] then
+    sticky, k = nil, #ctx.blocks  -- its endpoint is out: the session is placed again
+  end
   local rotate = tonumber(string.sub(lease_id or '', 1, 6), 16) or 0
   local e = #pick.endpoints
   local ranked = {}
   for j = 1, e do
     local n = live_count(pick.leases[j], ctx.now)
-    if pick.cap == NO_LIMIT or n < pick.cap then
+    if not down[pick.endpoints[j]] and (pick.cap == NO_LIMIT or n < pick.cap) then
       local overlap = 0
       if k > 0 and placement.prefix_weight > 0 then
         overlap = prefix_overlap(ctx, pick, j) / k
@@ -352,11 +376,12 @@ end
 -- limits passed, and no other replica holds the response (another one answers 404), so the cap,
 -- which steers placement among replicas that could all serve, yields to it. The turn counts
 -- there, so the next placements see the endpoint as loaded. An endpoint the pair no longer
--- lists is placed as usual (its response is gone with it).
+-- lists, or one a health flag holds out (endpoint_down: it would fail the turn), is placed as
+-- usual (its response is out of reach with it).
 local function place(ctx, p, lease_id)
   local chained = ctx.chained
   local storing = chained and chained.provider == p.name and p.pick.index[chained.endpoint]
-  if storing then
+  if storing and not endpoint_down(ctx, p)[chained.endpoint] then
     ctx.placed = {storing}
     return true
   end
