@@ -22,7 +22,7 @@ routing config:
   replica above 1.5 x the pool's mean of active requests passes a new request to the next replica
   of the hash), LEAST_REQUEST otherwise;
   the template's provider settings (timeouts, buffer limit, HTTP options, circuit breakers); for a
-  managed provider, one request per upstream connection (`set_connection_reuse`: an engine that
+  managed provider over HTTP/1.1, one request per upstream connection (`set_connection_reuse`: an engine that
   closes a connection after a streamed answer never gets a request on it), Envoy's own health check of each replica and outlier detection, so that a
   failed replica leaves the hash ring and only its sessions move; a `sessionless_cluster` over
   the same replicas balancing by least request;
@@ -33,7 +33,7 @@ routing config:
   STATIC over the endpoints' `ip:port` identities (STRICT_DNS over the name when the endpoints
   are one DNS name, re-resolved every `routing.placement.dns_refresh_seconds`), with Envoy's override_host load-balancing
   policy reading the endpoint-picker protocol's header and `envoy.lb` metadata, MAGLEV on the
-  session key as its fallback; the ext_proc filter accepts the `envoy.lb` namespace and the
+  session key as its fallback, each https endpoint keeping its transport socket match; the ext_proc filter accepts the `envoy.lb` namespace and the
   early header mutation removes a client's copy of the header.
 
 The result passes extproc.config.envoy_check against the same config (tested).
