@@ -110,6 +110,7 @@ def check(config: Config, bootstrap: dict[str, Any], envoy_name: str = "envoy.ya
     ext_proc port and the health/load URLs are not compared (for a local gateway that moves every
     address onto free ports). Never raises on a malformed bootstrap: its shape is a problem too."""
     clusters, problems = _named_clusters(bootstrap, envoy_name)
+    problems += protocol_problems(clusters, envoy_name)
     known = ", ".join(sorted(str(name) for name in clusters)) or "none"
     for provider in config.providers:
         for what, name in (("cluster", provider.cluster), ("sessionless_cluster", provider.sessionless_cluster)):
@@ -117,6 +118,7 @@ def check(config: Config, bootstrap: dict[str, Any], envoy_name: str = "envoy.ya
                 problems.append(f"provider {provider.name}: {what} {name!r} is not a cluster of {envoy_name} (its clusters: {known})")
         problems += _affinity_cluster_problems(provider, clusters, envoy_name)
         problems += _tls_problems(provider, clusters, envoy_name)
+        problems += socket_match_problems(provider, clusters, envoy_name)
         problems += pick_cluster_problems(provider, clusters, envoy_name)
     hashed = [p for p in config.providers if p.session_affinity is Affinity.SESSION_HASH]
     managers = connection_managers(bootstrap)
@@ -244,6 +246,84 @@ def _unverified(context: dict[str, Any]) -> str | None:
     if not (names or pinned or _truthy(context.get("auto_sni_san_validation"))):
         return "no name to verify the certificate against, validation_context.match_typed_subject_alt_names"
     return None
+
+
+SOCKET_MATCH_FILTER = "envoy.transport_socket_match"  # the endpoint (or locality) metadata transport_socket_matches reads
+
+
+def socket_match_problems(provider: Provider, clusters: dict[str, Any], envoy_name: str) -> list[str]:
+    """Each `transport_socket_matches` entry of the provider's clusters is the one some endpoint
+    of the load assignment gets, and each endpoint whose `envoy.transport_socket_match` metadata
+    names a socket gets one. Envoy gives an endpoint the first entry whose `match` its metadata
+    (else its locality's) contains, else the cluster's `transport_socket`: an entry no endpoint
+    gets means its endpoint is verified against another host's name (the default socket's: the
+    first host's SNI and SAN), and fails, or is not verified as the entry meant (issue 29 item 14).
+    A cluster without a static load assignment (EDS) is not judged."""
+    problems = []
+    for name in filter(None, dict.fromkeys((provider.cluster, provider.sessionless_cluster))):
+        cluster = _dict(clusters.get(name))
+        matches = [_dict(m) for m in _list(cluster.get("transport_socket_matches"))]
+        groups = [_dict(g) for g in _list(_dict(cluster.get("load_assignment")).get("endpoints"))]
+        endpoints = [(_dict(e), g) for g in groups for e in _list(g.get("lb_endpoints"))]
+        if not matches or not endpoints:
+            continue
+        where = f"provider {provider.name}: cluster {name!r} of {envoy_name}"
+        used = set()
+        for lb_endpoint, group in endpoints:
+            labels = _socket_match_labels(lb_endpoint), _socket_match_labels(group)
+            index = next((i for metadata in labels for i, m in enumerate(matches) if _labels_match(_dict(m.get("match")), metadata)), None)
+            if index is not None:
+                used.add(index)
+            elif labels[0] or labels[1]:
+                address = _dict(_dict(_dict(lb_endpoint.get("endpoint")).get("address")).get("socket_address"))
+                problems.append(f"{where}: the endpoint {_socket_identity(address)} has {SOCKET_MATCH_FILTER} metadata "
+                                f"{_shown(labels[0] or labels[1])} that no transport_socket_matches entry matches, so Envoy gives it "
+                                "the cluster's transport_socket")
+        for index, match in enumerate(matches):
+            if index not in used:
+                problems.append(f"{where}: no endpoint gets transport_socket_matches[{index}] ({_shown(match.get('name'))}, match "
+                                f"{_shown(match.get('match'))}): each endpoint needs its {SOCKET_MATCH_FILTER} metadata (endpoint "
+                                "metadata.filter_metadata), else Envoy verifies it with the cluster's transport_socket, another "
+                                "host's name")
+    return problems
+
+
+def _socket_match_labels(holder: dict[str, Any]) -> dict[str, Any]:
+    """The `envoy.transport_socket_match` filter metadata of an lb endpoint or a locality."""
+    return _dict(_dict(_dict(holder.get("metadata")).get("filter_metadata")).get(SOCKET_MATCH_FILTER))
+
+
+def _labels_match(match: dict[str, Any], metadata: dict[str, Any]) -> bool:
+    """Envoy's metadataLabelMatch: every key of `match` is in `metadata` with the same value (an
+    empty match takes every endpoint)."""
+    return all(key in metadata and metadata[key] == value for key, value in match.items())
+
+
+HTTP_PROTOCOL_OPTIONS_TYPE = "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+PROTOCOL_SELECTION_FIELDS = ("explicit_http_config", "auto_config", "use_downstream_protocol_config")  # one oneof of it
+
+
+def protocol_problems(clusters: dict[str, Any], envoy_name: str) -> list[str]:
+    """Each cluster's `HttpProtocolOptions` (in `typed_extension_protocol_options`) sets at most
+    one of its oneof `explicit_http_config`, `auto_config`, `use_downstream_protocol_config`
+    (Envoy refuses the file otherwise: "... has already been set (oneof)"), and `auto_config` only
+    with a `transport_socket` (it picks the protocol by ALPN, which needs TLS; Envoy refuses it on
+    a plaintext cluster: "ALPN configured for cluster ... which has a non-ALPN transport socket").
+    Source: envoy/extensions/upstreams/http/v3/http_protocol_options.proto."""
+    problems = []
+    for name, cluster in clusters.items():
+        for key, options in _dict(_dict(cluster).get("typed_extension_protocol_options")).items():
+            options = _dict(options)
+            if options.get("@type") != HTTP_PROTOCOL_OPTIONS_TYPE:
+                continue
+            where = f"{envoy_name}: cluster {name!r}: typed_extension_protocol_options {key}"
+            chosen = [field for field in PROTOCOL_SELECTION_FIELDS if field in options]
+            if len(chosen) > 1:
+                problems.append(f"{where} sets {' and '.join(chosen)}, which are one choice (a oneof): Envoy refuses the file; keep one")
+            if "auto_config" in options and not _dict(cluster).get("transport_socket"):
+                problems.append(f"{where} sets auto_config on a cluster without a transport_socket: it picks HTTP/2 or HTTP/1.1 by "
+                                "TLS's ALPN, and Envoy refuses it without TLS (use explicit_http_config)")
+    return problems
 
 
 def _hashes(cluster: dict[str, Any]) -> bool:

@@ -22,7 +22,7 @@ routing config:
   replica above 1.5 x the pool's mean of active requests passes a new request to the next replica
   of the hash), LEAST_REQUEST otherwise;
   the template's provider settings (timeouts, buffer limit, HTTP options, circuit breakers); for a
-  managed provider, one request per upstream connection (`set_connection_reuse`: an engine that
+  managed provider over HTTP/1.1, one request per upstream connection (`set_connection_reuse`: an engine that
   closes a connection after a streamed answer never gets a request on it), Envoy's own health check of each replica and outlier detection, so that a
   failed replica leaves the hash ring and only its sessions move; a `sessionless_cluster` over
   the same replicas balancing by least request;
@@ -33,7 +33,7 @@ routing config:
   STATIC over the endpoints' `ip:port` identities (STRICT_DNS over the name when the endpoints
   are one DNS name, re-resolved every `routing.placement.dns_refresh_seconds`), with Envoy's override_host load-balancing
   policy reading the endpoint-picker protocol's header and `envoy.lb` metadata, MAGLEV on the
-  session key as its fallback; the ext_proc filter accepts the `envoy.lb` namespace and the
+  session key as its fallback, each https endpoint keeping its transport socket match; the ext_proc filter accepts the `envoy.lb` namespace and the
   early header mutation removes a client's copy of the header.
 
 The result passes extproc.config.envoy_check against the same config (tested).
@@ -68,6 +68,7 @@ SOCKET_MATCH_FILTER = "envoy.transport_socket_match"  # the endpoint metadata En
 SOCKET_MATCH_KEY = "host"
 HTTP_OPTIONS = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
 HTTP_OPTIONS_TYPE = "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+PROTOCOL_SELECTION_FIELDS = ("explicit_http_config", "auto_config", "use_downstream_protocol_config")  # HttpProtocolOptions' oneof
 
 
 class RenderError(ValueError):
@@ -212,14 +213,14 @@ def _provider_cluster(provider: Provider, name: str, prototype: dict[str, Any], 
     cluster: dict[str, Any] = {"name": name, "type": "STATIC" if all(_is_ip(host) for host, _ in addresses) else "STRICT_DNS"}
     cluster.update(copy.deepcopy(prototype))
     _set_balancing(cluster, provider, sessions)
-    set_connection_reuse(cluster, provider)
+    set_connection_reuse(cluster, provider, tls)
     if cluster["type"] == "STRICT_DNS":
         cluster["dns_lookup_family"] = "V4_PREFERRED"
     hosts = list(dict.fromkeys(host for host, _ in addresses))
     matched = tls and len(hosts) > 1  # each endpoint picks its host's transport socket by its metadata
     cluster["load_assignment"] = {
         "cluster_name": name,
-        "endpoints": [{"lb_endpoints": [_lb_endpoint(host, port, matched) for host, port in addresses]}],
+        "endpoints": [{"lb_endpoints": [_lb_endpoint(host, port, host if matched else None) for host, port in addresses]}],
     }
     if tls:
         cluster.update(_verified_tls(hosts, provider.tls_ca_file or SYSTEM_CA_FILE))
@@ -245,13 +246,21 @@ def _set_balancing(cluster: dict[str, Any], provider: Provider, sessions: bool) 
         cluster["common_lb_config"] = {"consistent_hashing_lb_config": {"hash_balance_factor": HASH_BALANCE_FACTOR}}
 
 
-def set_connection_reuse(cluster: dict[str, Any], provider: Provider) -> dict[str, Any]:
+def set_connection_reuse(cluster: dict[str, Any], provider: Provider, tls: bool) -> dict[str, Any]:
     """`cluster` (modified in place and returned) with its upstream HTTP/1.1 connections reused
-    or not, by `provider`'s kind, in the cluster's `HttpProtocolOptions`:
+    or not, by `provider`'s kind, in the cluster's `HttpProtocolOptions` (`tls`: whether the
+    cluster's endpoints are https):
 
-    - managed, over HTTP/1.1 (the template's `explicit_http_config`, HTTP/1.1 when it has none):
-      one request per connection (`common_http_protocol_options.max_requests_per_connection:
-      1`). llama.cpp's server announces keep-alive on a streamed answer, then closes the
+    - the protocol: the template's (copied from its first provider cluster), set only when it
+      sets none of the oneof `explicit_http_config`, `auto_config`,
+      `use_downstream_protocol_config` (then HTTP/1.1, as envoy.yaml's; a second one of them makes
+      Envoy refuse the bootstrap). `auto_config` on a cluster without TLS becomes HTTP/1.1
+      (`explicit_http_config` with auto_config's `http_protocol_options`): it picks the protocol
+      by ALPN, which needs TLS, and Envoy refuses it on a plaintext cluster ("ALPN configured for
+      cluster ... which has a non-ALPN transport socket").
+    - managed, over HTTP/1.1 only (`explicit_http_config.http_protocol_options`): one request
+      per connection (`common_http_protocol_options.max_requests_per_connection: 1`).
+      llama.cpp's server announces keep-alive on a streamed answer, then closes the
       connection right after its last chunk; Envoy returns the connection
       to its pool at that last chunk and may send the next request on it before it reads the
       close: the request is lost (503, flag UC, `upstream_reset_before_response_started
@@ -259,30 +268,48 @@ def set_connection_reuse(cluster: dict[str, Any], provider: Provider) -> dict[st
       request never meets a connection the engine is closing; a connection refused is retried
       (the route's `connect-failure`), nothing having been sent. Its cost is one TCP handshake
       per request to a replica (docs/operations.md "Upstream connections").
-    - managed over HTTP/2: as the template says (streams share connections).
+    - managed over HTTP/2, or a protocol that may become HTTP/2 (`auto_config` by ALPN,
+      `use_downstream_protocol_config` by the client's): no limit, the streams sharing
+      connections (one stream per connection would pay a TLS handshake per request). An engine
+      that closes connections as llama.cpp does speaks HTTP/1.1 only, so ALPN gives HTTP/1.1 and
+      the race is back: give such a provider's template cluster `explicit_http_config`.
     - unlimited: reused (a third party over TLS would pay a handshake per request), the
       template's `idle_timeout` closing them before its keep-alive does.
 
+    A `max_requests_per_connection` the copied options carry is never kept: it was set for the
+    template's cluster, not this one.
+
     Source: llama.cpp tools/server/server-http.cpp (the stream's provider returns false after
     `sink.done()`, which cpp-httplib reads as cancelled and closes on), RFC 9112 section 9.3.1
-    (a request sent on a connection the server closes may not be retried unless idempotent)."""
+    (a request sent on a connection the server closes may not be retried unless idempotent),
+    Envoy's HttpProtocolOptions (envoy/extensions/upstreams/http/v3/http_protocol_options.proto)."""
     options = cluster.setdefault("typed_extension_protocol_options", {}).setdefault(HTTP_OPTIONS, {"@type": HTTP_OPTIONS_TYPE})
-    options.setdefault("explicit_http_config", {"http_protocol_options": {}})
+    if not tls and "auto_config" in options:
+        options["explicit_http_config"] = {"http_protocol_options": (options.pop("auto_config") or {}).get("http_protocol_options", {})}
+    if not any(field in options for field in PROTOCOL_SELECTION_FIELDS):  # one of a oneof: never a second one
+        options["explicit_http_config"] = {"http_protocol_options": {}}
     common = options.setdefault("common_http_protocol_options", {})
-    http1 = "http_protocol_options" in (options.get("explicit_http_config") or {})  # HTTP/2 multiplexes: left as it is
-    if provider.kind is ProviderKind.MANAGED and http1:
+    if provider.kind is ProviderKind.MANAGED and _http1_only(options):
         common["max_requests_per_connection"] = 1
-    elif provider.kind is not ProviderKind.MANAGED:
+    else:
         common.pop("max_requests_per_connection", None)
     return cluster
 
 
-def _lb_endpoint(host: str, port: int, matched: bool) -> dict[str, Any]:
-    """One endpoint of a load assignment; `matched`: with the metadata that picks its host's
-    transport socket (Envoy's transport_socket_matches)."""
-    endpoint: dict[str, Any] = {"endpoint": {"address": {"socket_address": {"address": host, "port_value": port}}}}
-    if matched:
-        endpoint["metadata"] = {"filter_metadata": {SOCKET_MATCH_FILTER: {SOCKET_MATCH_KEY: host}}}
+def _http1_only(options: dict[str, Any]) -> bool:
+    """Whether an `HttpProtocolOptions` speaks HTTP/1.1 only: `explicit_http_config` with
+    `http_protocol_options`. `auto_config` may become HTTP/2 by ALPN and
+    `use_downstream_protocol_config` by the client's protocol: both may multiplex streams."""
+    return "http_protocol_options" in (options.get("explicit_http_config") or {})
+
+
+def _lb_endpoint(address: str, port: int, tls_host: str | None) -> dict[str, Any]:
+    """One endpoint of a load assignment at `address` (an IP address or a host name) and `port`;
+    `tls_host` (the endpoint's host name as its URL writes it): with the metadata that picks that
+    host's transport socket (Envoy's transport_socket_matches, `_verified_tls`)."""
+    endpoint: dict[str, Any] = {"endpoint": {"address": {"socket_address": {"address": address, "port_value": port}}}}
+    if tls_host is not None:
+        endpoint["metadata"] = {"filter_metadata": {SOCKET_MATCH_FILTER: {SOCKET_MATCH_KEY: tls_host}}}
     return endpoint
 
 
@@ -366,7 +393,10 @@ def pick_cluster(cluster: dict[str, Any], provider: Provider, dns_refresh_second
     hosts); for `endpoints` that are one DNS name (a headless Service), STRICT_DNS over that
     name, re-resolved every `dns_refresh_seconds` (seconds; `dns_refresh_rate`), each address
     a host on the name's port: the `ip:port`s the router resolves the name to (V4_PREFERRED on
-    both sides). Health checks, outlier detection and TLS stay as `_provider_cluster` made them."""
+    both sides). Health checks, outlier detection and TLS stay as `_provider_cluster` made them;
+    with a transport socket per host name, each endpoint keeps the metadata that picks its own
+    (the host name as its URL writes it, when its identity is the address that name resolved to):
+    without it Envoy would verify every replica against the first host's name (issue 29 item 14)."""
     cluster.pop("lb_policy", None)
     cluster.pop("common_lb_config", None)
     name = dns_name(provider.endpoints)
@@ -379,12 +409,10 @@ def pick_cluster(cluster: dict[str, Any], provider: Provider, dns_refresh_second
         cluster["dns_lookup_family"] = "V4_PREFERRED"
         cluster["dns_refresh_rate"] = f"{dns_refresh_seconds:g}s"
         endpoints = [name]
-    cluster["load_assignment"] = {
-        "cluster_name": cluster["name"],
-        "endpoints": [{"lb_endpoints": [
-            {"endpoint": {"address": {"socket_address": {"address": host, "port_value": port}}}} for host, port in endpoints
-        ]}],
-    }
+    matched = bool(cluster.get("transport_socket_matches"))  # several host names: one URL each, in order
+    tls_hosts = [urlsplit(url).hostname if matched else None for url in provider.endpoints]
+    lb_endpoints = [_lb_endpoint(host, port, tls_host) for (host, port), tls_host in zip(endpoints, tls_hosts, strict=True)]
+    cluster["load_assignment"] = {"cluster_name": cluster["name"], "endpoints": [{"lb_endpoints": lb_endpoints}]}
     cluster["load_balancing_policy"] = pick_policy()
     return cluster
 

@@ -6,6 +6,7 @@ HTTPS providers verified by chain and name; the template's own clusters kept).""
 
 from __future__ import annotations
 
+import socket
 from collections import Counter
 
 import httpx
@@ -13,7 +14,7 @@ import pytest
 
 from irislab.local_gateway import LocalGateway, ProviderSimulation, simulator_argv
 from irislab.processes import free_port, spawn, wait_for_port
-from tests.support.gateway import self_signed_certificate
+from tests.support.gateway import self_signed_certificate, wait_until
 
 MODEL = "m"
 
@@ -109,19 +110,32 @@ class Simulators:
         self.directory = directory
         self.started = []
 
-    def start(self, name: str, model: str, cert=None, key=None) -> int:
+    def start(self, name: str, model: str, cert=None, key=None, host: str = "127.0.0.1") -> int:
         port = free_port()
-        argv = [*simulator_argv(name, port, ProviderSimulation(ttft_ms=1, per_token_ms=1, block_tokens=8)), "--model", model]
+        argv = [*simulator_argv(name, port, ProviderSimulation(ttft_ms=1, per_token_ms=1, block_tokens=8)), "--model", model,
+                "--host", host]
         if cert is not None:
             argv += ["--tls-cert", str(cert), "--tls-key", str(key)]
         process = spawn(name, argv, self.directory)
         self.started.append(process)
-        wait_for_port(port, process=process.popen)
+        if host == "127.0.0.1":
+            wait_for_port(port, process=process.popen)
+        else:
+            assert wait_until(lambda: _accepts(host, port) or process.popen.poll() is not None, within_seconds=20), name
+            assert process.popen.poll() is None, f"{name} exited"
         return port
 
     def stop(self) -> None:
         for process in self.started:
             process.stop()
+
+
+def _accepts(host: str, port: int) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=1).close()
+    except OSError:
+        return False
+    return True
 
 
 @pytest.fixture
@@ -203,6 +217,53 @@ def test_https_providers_are_verified_by_chain_and_name(simulators, tmp_path):
                 assert response.status_code == 200, response.text
         assert received(ports["by-name"]) > 0 and received(ports["by-address"]) > 0
         assert received(ports["by-name"]) + received(ports["by-address"]) == 16
+
+
+def test_a_pick_pool_over_https_reaches_each_replica_verified_by_its_own_name(simulators, tmp_path):
+    """Issue 29 item 14 with affinity pick: two replicas on 127.0.0.11 and 127.0.0.12, each with a
+    certificate the CA signed for its own address only. The pick cluster had dropped the endpoint
+    metadata that chooses each replica's transport socket, so Envoy verified both against the
+    first's name: the second failed verification and its requests went to the first (or failed).
+    Now every request is answered by the replica the router picked, both carry sessions, and no
+    verification fails."""
+    import trustme
+
+    certs = tmp_path / "certs"
+    certs.mkdir()
+    ca = trustme.CA()
+    ca_file = certs / "ca.pem"
+    ca.cert_pem.write_to_path(str(ca_file))
+    endpoints = {}
+    for index, address in enumerate(("127.0.0.11", "127.0.0.12")):
+        cert = ca.issue_cert(address)
+        cert_file, key_file = certs / f"r{index}.pem", certs / f"r{index}.key"
+        cert.private_key_and_cert_chain_pem.write_to_path(str(cert_file))
+        cert.private_key_pem.write_to_path(str(key_file))
+        port = simulators.start(f"r{index}", MODEL, cert_file, key_file, host=address)
+        endpoints[f"{address}:{port}"] = f"r{index}"
+    limits = {"max_pinned_sessions": 1000, "max_global_in_flight_request_slots": 64}
+    config = {
+        "redis": {"key_prefix": "pick-tls"},
+        "server": {"expose_routing_headers": True},
+        "providers": [
+            {"name": "iris-1", "kind": "managed", "cluster": "iris-1", "affinity": "pick", "tls_ca_file": str(ca_file),
+             "endpoints": [f"https://{e}" for e in endpoints], "models": {MODEL: {"features": ["chat"], "limits": limits}}},
+            {"name": "tensorx", "kind": "unlimited", "cluster": "tensorx", "models": {MODEL: {"features": ["chat"]}}},
+        ],
+    }
+    answered = Counter()
+    with LocalGateway(config_data=config, real_providers=True, work_dir=tmp_path / "gateway") as gateway:
+        with httpx.Client(timeout=30) as client:
+            for session in range(16):
+                body = {"model": MODEL, "messages": [{"role": "user", "content": f"session {session} " + "word " * 20}], "max_tokens": 2}
+                response = client.post(f"{gateway.url}/v1/chat/completions", json=body, headers={"x-session-id": f"s{session}"})
+                assert response.status_code == 200 and response.headers["x-iris-provider"] == "iris-1", response.text
+                picked = response.headers["x-iris-endpoint"]
+                assert response.headers["x-simulator-name"] == endpoints[picked], f"picked {picked}, answered by another replica"
+                answered[picked] += 1
+        assert set(answered) == set(endpoints), answered
+        assert envoy_stat(gateway, "cluster.iris-1.ssl.fail_verify_san") == 0
+        assert envoy_stat(gateway, "cluster.iris-1.ssl.fail_verify_error") == 0
 
 
 def rs256_token(private_key, claims: dict) -> str:

@@ -101,3 +101,40 @@ def test_tls_that_verifies_passes(change):
     cluster = copy.deepcopy(EXAMPLE)
     change(cluster)
     assert tls_problems(cluster) == []
+
+
+def test_socket_matches_that_no_endpoint_gets_are_refused():
+    """Issue 29 item 14: a cluster with a transport socket per host whose endpoints lost their
+    `envoy.transport_socket_match` metadata (what the pick cluster rendered) gets the cluster's
+    default socket for every endpoint, the first host's name: each entry no endpoint gets is a
+    problem, and so is an endpoint whose metadata no entry matches."""
+    cluster = copy.deepcopy(EXAMPLE)
+    second = copy.deepcopy(cluster["transport_socket"])
+    second["typed_config"]["sni"] = "b.tensorx.example"
+    second["typed_config"]["common_tls_context"]["validation_context"]["match_typed_subject_alt_names"][0]["matcher"]["exact"] = \
+        "b.tensorx.example"
+    cluster["transport_socket_matches"] = [
+        {"name": "tls-a", "match": {"host": "api.tensorx.example"}, "transport_socket": copy.deepcopy(cluster["transport_socket"])},
+        {"name": "tls-b", "match": {"host": "b.tensorx.example"}, "transport_socket": second},
+    ]
+    cluster["type"] = "STRICT_DNS"
+    endpoint = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]
+    other = copy.deepcopy(endpoint)
+    other["endpoint"]["address"]["socket_address"]["address"] = "b.tensorx.example"
+    cluster["load_assignment"]["endpoints"][0]["lb_endpoints"].append(other)
+
+    def match_problems(cluster: dict) -> list[str]:
+        return [p for p in envoy_check.check(CONFIG, with_tensorx(cluster)) if "transport_socket_matches" in p]
+
+    bare = match_problems(cluster)
+    assert len(bare) == 2 and all("no endpoint gets transport_socket_matches" in p for p in bare), bare
+    endpoint["metadata"] = {"filter_metadata": {"envoy.transport_socket_match": {"host": "api.tensorx.example"}}}
+    other["metadata"] = {"filter_metadata": {"envoy.transport_socket_match": {"host": "b.tensorx.example"}}}
+    assert match_problems(cluster) == []
+    other["metadata"]["filter_metadata"]["envoy.transport_socket_match"]["host"] = "c.tensorx.example"
+    wrong = match_problems(cluster)
+    assert any("b.tensorx.example:443 has envoy.transport_socket_match metadata" in p for p in wrong), wrong
+    assert any("no endpoint gets transport_socket_matches[1]" in p for p in wrong), wrong
+    cluster["load_assignment"]["endpoints"][0]["metadata"] = {"filter_metadata": {"envoy.transport_socket_match": {"host": "b.tensorx.example"}}}
+    del other["metadata"]  # Envoy reads the locality's metadata when the endpoint's matches no entry
+    assert match_problems(cluster) == []

@@ -13,6 +13,7 @@ from extproc.config import ConfigError, envoy_check, parse_config
 from extproc.config.envoy_render import SYSTEM_CA_FILE, RenderError, render
 from extproc.config.examples import envoy_yaml
 from irislab.processes import envoy_binary
+from tests.support.configs import ROOT
 
 
 def fleet() -> dict:
@@ -242,3 +243,57 @@ def test_the_command_writes_a_file_that_check_accepts(tmp_path):
     checked = subprocess.run([sys.executable, "-m", "extproc.cli", "check", "--config", str(config_path), "--envoy", str(out)],
                              capture_output=True, text=True, timeout=60)
     assert checked.returncode == 0 and checked.stdout.startswith("ok:"), checked.stdout + checked.stderr
+
+
+THIRD_PARTY_EXAMPLE = ROOT / "envoy" / "third-party-cluster.example.yaml"
+
+
+def test_a_template_whose_providers_pick_their_protocol_by_alpn_renders_one_envoy_accepts(tmp_path):
+    """A template whose first provider cluster is envoy/third-party-cluster.example.yaml's
+    (`auto_config`: HTTP/2 or HTTP/1.1 by ALPN) rendered a managed pool with `auto_config` and
+    `explicit_http_config` both (one oneof: Envoy refused the file, `check` passed it) and one
+    request per connection on a cluster ALPN may make HTTP/2. Now the protocol is set only when
+    the template sets none; an https cluster keeps auto_config with no per-connection limit; a
+    plaintext one (ALPN needs TLS) gets HTTP/1.1, and the managed one a connection per request."""
+    data = fleet()
+    data["providers"][2]["endpoints"] = ["https://api.tensorx.example"]
+    data["providers"].append({"name": "tls-pool", "kind": "managed", "cluster": "tls-pool", "endpoints": ["https://10.0.0.7:8443"],
+                              "models": {"m": {"features": ["chat"]}}})
+    config = parse_config(data)
+    alpn = template()
+    clusters = alpn["static_resources"]["clusters"]
+    clusters[1:] = yaml.safe_load(THIRD_PARTY_EXAMPLE.read_text())["clusters"]  # extproc, then the third party's
+    bootstrap = render(config, alpn)
+    assert envoy_check.check(config, bootstrap) == []
+    rendered = {c["name"]: c["typed_extension_protocol_options"][HTTP_OPTIONS] for c in bootstrap["static_resources"]["clusters"]}
+    auto = {"http_protocol_options": {}, "http2_protocol_options": {}}
+    for name in ("tensorx", "tls-pool"):  # https: ALPN decides; streams may share a connection
+        assert "explicit_http_config" not in rendered[name] and rendered[name]["auto_config"] == auto, name
+        assert rendered[name]["common_http_protocol_options"] == {"idle_timeout": "60s"}, name
+    for name in ("pool", "pool-spread", "dyn"):  # plaintext: HTTP/1.1, one request per connection
+        assert "auto_config" not in rendered[name] and rendered[name]["explicit_http_config"] == {"http_protocol_options": {}}, name
+        assert rendered[name]["common_http_protocol_options"] == {"idle_timeout": "60s", "max_requests_per_connection": 1}, name
+    assert_envoy_accepts(bootstrap, tmp_path)
+
+
+def test_check_refuses_more_than_one_protocol_choice(tmp_path):
+    """`check` refuses what Envoy refuses: two of HttpProtocolOptions' oneof in one cluster
+    ("'explicit_http_config' has already been set (oneof)"), and auto_config on a cluster without
+    TLS ("ALPN configured for cluster ... which has a non-ALPN transport socket")."""
+    config = parse_config(fleet())
+    bootstrap = render(config, template())
+    pool = {c["name"]: c for c in bootstrap["static_resources"]["clusters"]}["pool"]
+    options = pool["typed_extension_protocol_options"][HTTP_OPTIONS]
+    options["auto_config"] = {"http_protocol_options": {}, "http2_protocol_options": {}}
+    problems = envoy_check.check(config, bootstrap)
+    assert any("cluster 'pool': typed_extension_protocol_options" in p and "sets explicit_http_config and auto_config" in p
+               for p in problems), problems
+    assert any("auto_config on a cluster without a transport_socket" in p for p in problems), problems
+    path = tmp_path / "envoy.yaml"
+    path.write_text(yaml.safe_dump(bootstrap))
+    result = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(path)], capture_output=True, text=True, timeout=60)
+    output = "".join((result.stdout + result.stderr).split())  # protobuf's messages vary their spacing from run to run
+    assert result.returncode != 0 and "hasalreadybeenset(eitherdirectlyoraspartofaoneof)" in output, result.stderr[-2000:]
+    del options["explicit_http_config"]
+    assert [p for p in envoy_check.check(config, bootstrap) if "typed_extension_protocol_options" in p] == \
+        [next(p for p in problems if "auto_config on a cluster without" in p)]

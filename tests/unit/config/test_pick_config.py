@@ -134,3 +134,26 @@ def test_one_dns_name_renders_a_strict_dns_cluster_that_check_accepts_and_envoy_
     {c["name"]: c for c in other_name["static_resources"]["clusters"]}["pool"]["load_assignment"]["endpoints"][0]["lb_endpoints"][0][
         "endpoint"]["address"]["socket_address"]["address"] = "pool.other.svc"
     assert any("is not STRICT_DNS over localhost:8081" in p for p in envoy_check.check(config, other_name))
+
+
+def test_a_pick_pool_over_https_verifies_each_replica_by_its_own_name(tmp_path):
+    """Issue 29 item 14 for affinity pick: the pick cluster's STATIC endpoints keep the metadata
+    that gives each its own host's transport socket (the host name as the URL writes it, when the
+    identity is the address it resolved to); without it Envoy verified every replica against the
+    first host's name, and `check` saw nothing. Real Envoy accepts it."""
+    config = parse_config(fleet(endpoints=["https://127.0.0.11:8443", "https://127.0.0.12:8443", "https://localhost:8444"]))
+    bootstrap = render(config, envoy_check.load_bootstrap(envoy_yaml()))
+    assert envoy_check.check(config, bootstrap) == []
+    pool = {c["name"]: c for c in bootstrap["static_resources"]["clusters"]}["pool"]
+    endpoints = pool["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    assert [e["endpoint"]["address"]["socket_address"]["address"] for e in endpoints] == ["127.0.0.11", "127.0.0.12", "127.0.0.1"]
+    assert [e["metadata"]["filter_metadata"]["envoy.transport_socket_match"] for e in endpoints] == \
+        [{"host": "127.0.0.11"}, {"host": "127.0.0.12"}, {"host": "localhost"}]
+    assert [m["match"] for m in pool["transport_socket_matches"]] == [{"host": "127.0.0.11"}, {"host": "127.0.0.12"}, {"host": "localhost"}]
+    path = tmp_path / "envoy.yaml"
+    path.write_text(yaml.safe_dump(bootstrap))
+    result = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(path)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    one_host = render(parse_config(fleet(endpoints=["https://localhost:8443", "https://localhost:8444"])), envoy_check.load_bootstrap(envoy_yaml()))
+    pool = {c["name"]: c for c in one_host["static_resources"]["clusters"]}["pool"]
+    assert "transport_socket_matches" not in pool and "metadata" not in pool["load_assignment"]["endpoints"][0]["lb_endpoints"][0]
