@@ -426,7 +426,9 @@ class LeaseTable:
     async def _renew_batch(self, batch: list[Held]) -> None:
         """Renew `batch` (leases of one routing state and model) in one call, then settle each
         lease as `_renewed` says. A failed call is a failed renewal of every lease in it (the
-        breaker counts the one call); nothing here raises but a cancellation."""
+        breaker counts the one call against the model); an answered one ends the model's run of
+        failures (whatever each lease's answer: Redis served the model). Nothing here raises but a
+        cancellation."""
         renewed_at = time.monotonic()
         sent = [_RenewalSent(held.adoptions, renewed_at) for held in batch]  # the leases' state as the call goes
         try:
@@ -438,6 +440,8 @@ class LeaseTable:
                 metrics.child(metrics.REDIS_ERRORS, "renew").inc()
                 self.breaker.record_failure(exc, batch[0].lease.model)
                 log.warning("lease renewal of %d leases failed, their requests keep running: %s", len(batch), exc)
+            else:
+                self.breaker.record_success(batch[0].lease.model)  # Redis answered: the model's failure run ends
             await asyncio.gather(*(self._settle_renewal(held, update, at) for held, update, at in zip(batch, updates, sent)))
         except Exception:  # noqa: BLE001 (no renewal may stop: the leases would expire under running requests)
             log.exception("lease renewal failed unexpectedly, the requests keep running")
