@@ -33,20 +33,38 @@ answer); other traffic costs nothing more.
 
 from __future__ import annotations
 
+import asyncio
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import orjson
 from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
 from extproc.config import Config
 from extproc.openai_api.request import keyed_hash
-from extproc.storage.client import LuaScript
+from extproc.storage.client import REDIS_FAILURES, LuaScript
 from extproc.storage.keys import Keyspace
 
 MAX_SCAN_BYTES = 64 * 1024  # a stream whose first event (a JSON answer whose id and status) is not within this is not read
 RUNNING_STATUSES = frozenset({"queued", "in_progress"})  # a Responses object's status while it is generated
+
+
+class ChainRecordsUnreadable(RedisError):
+    """`ResponseChains.find` found no record and could not read some: `errors` maps each model
+    whose GET failed to its error (a RedisError or a RedisClusterException: that model's slot,
+    on a Cluster one primary, did not answer)."""
+
+    def __init__(self, errors: dict[str, Exception]):
+        super().__init__("response chain records unreadable under model(s) " + ", ".join(sorted(errors)) + ": "
+                         + "; ".join(f"{type(error).__name__}: {error}" for error in errors.values()))
+        self.errors = errors
+
+
+def _retrieve(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,18 +144,36 @@ class ResponseChains:
 
     async def find(self, identity: str, response_id: str, models: Sequence[str]) -> tuple[str, ChainLink] | None:
         """The model and record of `response_id` for this identity, looked up under every model of
-        `models` at once (one pipelined round trip: a request by id names no model), or None. The
-        first model in `models` order with a readable record wins."""
+        `models` at once (a request by id names no model), or None. One GET per model, each in a
+        task of its own: each model's keys live in its own slot (on a Cluster, maybe another
+        primary), so a model whose primary does not answer holds up no other. The first record
+        found is returned at once (a response id is recorded under the one model that made it;
+        among answers that come together, the first in `models` order wins), the other GETs run
+        on to their end unheard. Raises ChainRecordsUnreadable (a RedisError naming each model
+        whose GET failed) only when no record was found and some GET failed; anything else a GET
+        raises is raised as is."""
         if not models:
             return None
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for model in models:
-                pipe.get(self.key(model, identity, response_id))
-            replies = await pipe.execute()
-        for model, raw in zip(models, replies):
-            link = _decode(raw)
-            if link is not None:
-                return model, link
+        order = {asyncio.ensure_future(self.lookup(model, identity, response_id)): (at, model) for at, model in enumerate(models)}
+        pending: set[asyncio.Future] = set(order)
+        errors: dict[str, Exception] = {}
+        try:
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in sorted(done, key=lambda task: order[task][0]):
+                    model = order[task][1]
+                    error = task.exception()
+                    if isinstance(error, REDIS_FAILURES):
+                        errors[model] = error
+                    elif error is not None:
+                        raise error
+                    elif (link := task.result()) is not None:
+                        return model, link
+        finally:
+            for task in order:  # the GETs left running, or that failed unheard: their errors are dropped
+                task.add_done_callback(_retrieve)
+        if errors:
+            raise ChainRecordsUnreadable(errors)
         return None
 
     async def forget(self, model: str, identity: str, response_id: str) -> None:

@@ -34,7 +34,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingRequest, 
 
 from extproc import metrics
 from extproc.config import Config, Provider, ProviderKind
-from extproc.openai_api.chains import ChainLink, ResponseChains, ResponseReader
+from extproc.openai_api.chains import ChainLink, ChainRecordsUnreadable, ResponseChains, ResponseReader
 from extproc.openai_api.renaming import ModelNameRewriter
 from extproc.openai_api.request import ParsedRequest, RequestError, feature_for_path, parse_request, response_lookup
 from extproc.openai_api.sessions import HeaderSignals, SessionKeys, previous_response_id
@@ -319,6 +319,10 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
             try:
                 link = await in_own_task(self._chain_of(parsed.model, stream.identity, previous))
                 breaker.record_success(parsed.model)
+            except ChainRecordsUnreadable as exc:  # the fallback under other models: theirs, not this model's
+                breaker.record_success(parsed.model)  # its own lookup was answered
+                for model, error in exc.errors.items():
+                    breaker.record_failure(error, model)
             except REDIS_FAILURES as exc:
                 breaker.record_failure(exc, parsed.model)
         key = self.sessions.session(stream.signals, parsed, stream.identity, link.session_id if link else None)
@@ -345,7 +349,9 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
         """The chain record of `response_id` for `identity`: under `model`, else under any other
         model a stored response may belong to, as lookups by id find it (a turn may switch model,
         as OpenAI's API allows; the response stays where it was stored). Raises RequestError (400
-        previous_response_unavailable) when the storing provider does not serve `model`."""
+        previous_response_unavailable) when the storing provider does not serve `model`; the
+        RedisError of the lookup under `model`; ChainRecordsUnreadable when the fallback found
+        nothing and some other model's records could not be read (extproc.openai_api.chains)."""
         link = await self.chains.lookup(model, identity, response_id)
         if link is not None:
             return link

@@ -65,6 +65,8 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from redis.exceptions import ResponseError
+
 from extproc import metrics
 from extproc.config import Config
 from extproc.routing.outage import OutagePolicy, RedisBreaker
@@ -105,6 +107,7 @@ class Held:
     renewing: bool = False  # a renewal call of the sweep carries it now
     confirmed_at: float = field(default_factory=time.monotonic)  # monotonic s of the last renewal answered
     adoptions: int = 0  # adoptions recorded in Redis: a renewal sent before the latest says nothing of the lease
+    maybe_recorded: bool = False  # local, and an adoption failed unanswered (a timeout, a lost connection): it may land
 
     @property
     def lease(self) -> Lease | None:
@@ -302,11 +305,13 @@ class LeaseTable:
         self._forget(held)
         if held.lost.is_set():
             metrics.LEASES_LOST.inc()
-        if held.lease is None or (held.local and not held.adopting):
-            return
-        if held.adopting:
-            return  # the adoption in flight releases it once it is recorded
-        refresh = held.decision.refresh_pin_on_success and succeeded and not held.lost.is_set()
+        if held.lease is None or held.adopting:
+            return  # adopting: the adoption in flight releases it once it is recorded
+        if held.local and not held.maybe_recorded:
+            return  # Redis never recorded it
+        # A local lease whose adoption failed unanswered may have landed since, or land later:
+        # released all the same (releasing an id Redis never recorded changes nothing).
+        refresh = not held.local and held.decision.refresh_pin_on_success and succeeded and not held.lost.is_set()
         self._spawn_release(held, refresh)
 
     def _forget(self, held: Held) -> None:
@@ -426,7 +431,9 @@ class LeaseTable:
     async def _renew_batch(self, batch: list[Held]) -> None:
         """Renew `batch` (leases of one routing state and model) in one call, then settle each
         lease as `_renewed` says. A failed call is a failed renewal of every lease in it (the
-        breaker counts the one call); nothing here raises but a cancellation."""
+        breaker counts the one call against the model); an answered one ends the model's run of
+        failures (whatever each lease's answer: Redis served the model). Nothing here raises but a
+        cancellation."""
         renewed_at = time.monotonic()
         sent = [_RenewalSent(held.adoptions, renewed_at) for held in batch]  # the leases' state as the call goes
         try:
@@ -438,6 +445,8 @@ class LeaseTable:
                 metrics.child(metrics.REDIS_ERRORS, "renew").inc()
                 self.breaker.record_failure(exc, batch[0].lease.model)
                 log.warning("lease renewal of %d leases failed, their requests keep running: %s", len(batch), exc)
+            else:
+                self.breaker.record_success(batch[0].lease.model)  # Redis answered: the model's failure run ends
             await asyncio.gather(*(self._settle_renewal(held, update, at) for held, update, at in zip(batch, updates, sent)))
         except Exception:  # noqa: BLE001 (no renewal may stop: the leases would expire under running requests)
             log.exception("lease renewal failed unexpectedly, the requests keep running")
@@ -632,7 +641,9 @@ class LeaseTable:
         otherwise a lease no longer live in Redis expired there, its slot was free to others, and
         it comes back only within the pair's limits: when refused it is lost (its request is
         cancelled). A request that ended while its adoption was on its way has the lease
-        released once the adoption landed or failed (it may have landed all the same). Returns
+        released once the adoption landed or failed (it may have landed all the same); a local
+        lease whose adoption failed unanswered (a timeout, a lost connection: not Redis's error
+        reply) is released when its request ends, however late the adoption lands. Returns
         False when refused (the lease is then marked lost), else True. Raises RedisError (the
         lease stays as it was)."""
         state = self._state_for(held)
@@ -645,9 +656,11 @@ class LeaseTable:
         within_limits = not held.local and held.epoch is not None and held.epoch == self.epoch
         try:
             adopted = await state.adopt_request_lease(held.lease, within_limits=within_limits)
-        except BaseException:
+        except BaseException as exc:
             if held.ended:  # the call may have landed all the same (a client timeout): release it
                 self._spawn_release(held, refresh=False)
+            elif held.local and not isinstance(exc, ResponseError):  # unanswered: its request's end releases it
+                held.maybe_recorded = True
             raise
         finally:
             held.adopting = False

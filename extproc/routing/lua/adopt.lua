@@ -8,7 +8,7 @@
 -- lease that is no longer live in Redis (expired, or gone under the same epoch) comes back only
 -- through the capacity check of an admission on a pin (lib.lua's spec rules: the pair's global
 -- in-flight limit, reserved slots included, and the session's own limit on the pair when KEYS
--- are its session's; on a pair with affinity pick, its endpoint's cap too), and otherwise is
+-- are its session's, counting its leases on the pair only, whichever provider its pin is on now; on a pair with affinity pick, its endpoint's cap too), and otherwise is
 -- refused with that rule's answer: its slot went to another request since it expired (the lease
 -- table then reports it lost). A live lease is extended either way. The admission queue's order
 -- is not consulted: the request had its slot and still runs.
@@ -24,7 +24,11 @@ end
 local j = p.pick and p.pick.index[op_arg(ctx, 4) or '']
 local score = tonumber(redis.call('ZSCORE', p.leases_key, lease_id)) or 0
 if op_arg(ctx, 3) == '1' and score <= ctx.now then
-  local result = spec_capacity_result(ctx, p, session_in_flight_on(ctx, p), true, false)
+  -- The session's limit on p counts its leases on p only: its current pin's when the pin is on p,
+  -- and earlier pins' (earlier_in_flight); a pin moved to another provider takes its leases along.
+  local pin = read_pin(ctx)
+  local session_in_flight = (pin and pin.provider == p.name) and session_in_flight_on(ctx, p) or earlier_in_flight(ctx, p)
+  local result = spec_capacity_result(ctx, p, session_in_flight, true, false)
   if result == 'ADMITTED' and j and p.pick.cap ~= NO_LIMIT and live_count(p.pick.leases[j], ctx.now) >= p.pick.cap then
     result = 'GLOBAL_IN_FLIGHT_REQUEST_LIMIT_REACHED'
   end

@@ -118,6 +118,69 @@ async def test_a_local_lease_whose_adoption_timed_out_but_landed_is_released_whe
     await hot_path.aclose()
 
 
+async def test_renewals_answered_end_the_models_run_of_failures(redis_url, redis_client):
+    """Review of issue 29's fixes, item 5: a model with a long stream and no decision meanwhile
+    meets three isolated renewal timeouts (a write pause each), each followed by a renewal Redis
+    answers. The answered renewals end the model's run of failures, so its scope stays closed
+    (before: only decisions, chain lookups and the heartbeat reset it, and the third isolated
+    timeout opened the scope)."""
+    hot_path = open_pipelined(RedisSettings(url=redis_url), timeout_seconds=0.2)
+    table = make_table(redis_client, redis_url, hot_path, lease_timeout=30)
+    await table.refresh_epoch()
+    held = await table.decide(chat("long-stream"))
+    assert isinstance(held, Held)
+
+    async def renewal() -> None:
+        held.renew_at = time.monotonic()
+        table._sweep()
+        assert held.renewing
+        assert await until(lambda: not held.renewing, 5)
+
+    for _ in range(table.breaker.failures_in_a_row):
+        await redis_client.execute_command("CLIENT", "PAUSE", 500, "WRITE")
+        await renewal()  # times out on the client (0.2 s) behind the pause
+        assert held.unconfirmed
+        await redis_client.set("t:pause-over", 1)  # a write: answered once the pause is over
+        await renewal()  # answered: RENEWED
+        assert not held.unconfirmed
+    assert table.breaker.failures["m"] == 0
+    assert not table.breaker.open_for("m")
+    assert not held.lost.is_set()
+    table.end(held, succeeded=True)
+    await table.releases_settled()
+    assert await live(redis_client, table) == 0
+    await table.drain()
+    await hot_path.aclose()
+
+
+async def test_a_local_lease_whose_adoption_timed_out_is_released_when_its_request_ends_later(redis_url, redis_client):
+    """Review of issue 29's fixes, item 4: as above, but the request ends AFTER the adoption
+    timed out on the client and before Redis, resuming, applies it. The lease is released at the
+    request's end all the same (before: the lease, local and no longer adopting, was dropped at
+    the end, and the landed adoption counted for a whole lease timeout)."""
+    from extproc.routing.router import Decision, Reason
+    from extproc.routing.state import Lease, new_id
+
+    hot_path = open_pipelined(RedisSettings(url=redis_url), timeout_seconds=0.2)
+    table = make_table(redis_client, redis_url, hot_path, lease_timeout=30)
+    await table.state.load_scripts()
+    await table.refresh_epoch()
+    table.breaker.trip(ConnectionError("outage"))
+    held = table._hold(Decision(table.config.provider("iris-1"), Reason.UNPINNED, Lease("m", "iris-1", new_id(), None, None, 0), None,
+                                refresh_pin_on_success=False), local=True, state=table.state)
+    await redis_client.execute_command("CLIENT", "PAUSE", 1000, "WRITE")
+    await table.recover()  # the adoption times out on the client (0.2 s) and waits in Redis
+    assert held.local and not held.adopting
+    assert table.breaker.open_for("m")
+    table.end(held, succeeded=True)  # the request ends now, before the pause is over
+    await redis_client.set("t:pause-over", 1)  # a write: answered once the pause is over
+    assert await _wait(lambda: _is(live(redis_client, table), 0), 3)
+    await table.releases_settled()
+    assert await redis_client.zscore(table.state.keys.provider_leases("m", "iris-1"), held.lease.id) is None  # released
+    await table.drain()
+    await hot_path.aclose()
+
+
 async def _is(awaitable, value) -> bool:
     return (await awaitable) == value
 

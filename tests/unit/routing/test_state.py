@@ -383,6 +383,35 @@ async def test_adoption_brings_back_an_expired_lease_and_never_shortens_one(stat
     assert again.lease.deadline_ms == after_expiry + 1 + LEASE_MS
 
 
+async def test_adoption_within_limits_counts_the_sessions_leases_on_the_pair_only(state):
+    """A lease on iris-1 expired in Redis while its request ran; the session's pin has moved to
+    iris-2 meanwhile and holds max_per_session (2) leases there: they are not on iris-1, so the
+    adoption within limits on iris-1 takes the lease back (it was refused as over the session's
+    limit: the current pin's leases were counted whatever its provider)."""
+    first = await pin_new_session(state)
+    away = await state.try_compare_and_swap_pin_and_admit_request(first.pin, "m", "s1", "iris-2", now_ms=T0 + 2)
+    assert away.admission.result is Result.ADMITTED
+    second = await state.try_admit_pinned_session_request("m", "s1", now_ms=T0 + 3)
+    assert second.result is Result.ADMITTED and second.lease.provider == "iris-2"
+    for lease in (away.admission.lease, second.lease):  # the two on iris-2 stay live; the one on iris-1 expires
+        assert (await state.renew_request_lease(lease, now_ms=T0 + LEASE_MS - 1)).result is Result.RENEWED
+    after_expiry = T0 + LEASE_MS + 10
+    adopted = await state.adopt_request_lease(first.lease, within_limits=True, now_ms=after_expiry)
+    assert adopted.result is Result.ADMITTED
+    assert adopted.lease.deadline_ms == after_expiry + LEASE_MS
+
+
+async def test_adoption_within_limits_counts_the_leases_of_the_pin_on_the_pair(state):
+    """The same expired lease while the session's pin is on its pair with max_per_session (2)
+    live leases there: the adoption is refused by the session's limit."""
+    first = await pin_new_session(state)
+    later = T0 + LEASE_MS + 10  # the first lease expired; the session's pin lives on
+    for at in (later, later + 1):
+        assert (await state.try_admit_pinned_session_request("m", "s1", now_ms=at)).result is Result.ADMITTED
+    refused = await state.adopt_request_lease(first.lease, within_limits=True, now_ms=later + 2)
+    assert refused.result is Result.PER_SESSION_IN_FLIGHT_REQUEST_LIMIT_REACHED
+
+
 async def test_repin_back_counts_the_requests_still_running_on_the_pair(state, redis_client):
     """Issue 10, item 8: 2 requests run on iris-1 (per-session limit 2), the pin moves to iris-2
     and back while they run: the session may not get more on iris-1 until they end."""
