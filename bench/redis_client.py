@@ -46,9 +46,10 @@ class Shapes:
         keys = state.keys
         self.session_keys = [keys.pin(MODEL, session), keys.session_leases(MODEL, session),
                              keys.session_earlier_leases(MODEL, session)]
-        # The model's constants, then the share section off, the queue section off and the epoch
-        # flag off, as RoutingState._call lays them out (lua/lib.lua, lua/queue.lua).
-        model_keys, model_args = state._model_keys[MODEL], [*state._model_args[MODEL], *SHARE_OFF, "0", "0"]
+        # The model's constants, then the share section off, the queue section off, the epoch
+        # flag off, no pick pair and no prompt blocks, as RoutingState._call lays them out
+        # (lua/lib.lua, lua/queue.lua).
+        model_keys, model_args = state._model_keys[MODEL], [*state._model_args[MODEL], *SHARE_OFF, "0", "0", "0", "0"]
         self.model_keys = [Packed(model_keys)] if packed else model_keys
         self.model_args = [Packed(model_args)] if packed else model_args
 
