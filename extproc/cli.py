@@ -479,12 +479,18 @@ def _set_manual_flags(args, drain: bool) -> int:
         finally:
             await redis.aclose()
 
+    return _run_against_redis(run, settings)
+
+
+
+def _run_against_redis(run, settings) -> int:
+    """Run the coroutine function `run` (an operator command against the Redis of `settings`)
+    and return its exit code; 1, with one line naming Redis, when Redis cannot be reached."""
     try:
         return asyncio.run(run())
     except REDIS_FAILURES as exc:
         print(f"iris-extproc: cannot reach Redis at {_redis_address(settings)}: {exc}", file=sys.stderr)
         return 1
-
 
 async def _wait_for_no_requests(redis, config: Config, pairs: list[tuple[str, str]], drained_at: float, timeout_seconds: float) -> int:
     """Poll the fleet state every DRAIN_WAIT_POLL_SECONDS until no request lease is live on any
@@ -558,11 +564,7 @@ def _set_endpoint_flags(args, config: Config, settings: RedisSettings, drain: bo
         finally:
             await redis.aclose()
 
-    try:
-        return asyncio.run(run())
-    except REDIS_FAILURES as exc:
-        print(f"iris-extproc: cannot reach Redis at {_redis_address(settings)}: {exc}", file=sys.stderr)
-        return 1
+    return _run_against_redis(run, settings)
 
 
 def _provider_or_exit(config: Config, name: str):

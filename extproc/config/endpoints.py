@@ -59,7 +59,7 @@ def dns_name(urls: list[str] | tuple[str, ...]) -> tuple[str, int] | None:
     if len(urls) != 1:
         return None
     host, port = _host_port(urls[0])
-    return None if _is_ip(host) else (host, port)
+    return None if is_ip(host) else (host, port)
 
 
 def pick_endpoints(urls: list[str] | tuple[str, ...], resolver: Resolver = SYSTEM_RESOLVER) -> tuple[str, ...]:
@@ -93,7 +93,7 @@ def endpoint_identity(url: str) -> str:
     """`url`'s endpoint as Envoy names a host: `ip:port`, or `[ip]:port` for IPv6. Raises
     EndpointError when its host name does not resolve."""
     host, port = _host_port(url)
-    if _is_ip(host):
+    if is_ip(host):
         return identity(host, port)
     addresses = SYSTEM_RESOLVER.resolve(host, port)
     return identity(sorted(addresses, key=lambda a: ":" in a)[0], port)
@@ -116,7 +116,8 @@ def _host_port(url: str) -> tuple[str, int]:
     return parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
 
 
-def _is_ip(host: str) -> bool:
+def is_ip(host: str) -> bool:
+    """Whether `host` is an IP address (v4 or v6), not a name."""
     try:
         ipaddress.ip_address(host)
     except ValueError:

@@ -42,11 +42,10 @@ The result passes extproc.config.envoy_check against the same config (tested).
 from __future__ import annotations
 
 import copy
-import ipaddress
 from typing import Any
 from urllib.parse import urlsplit
 
-from extproc.config.endpoints import dns_name, pick_endpoints, split_identity
+from extproc.config.endpoints import dns_name, is_ip, pick_endpoints, split_identity
 from extproc.config.envoy_check import (
     DESTINATION_ENDPOINT_HEADER,
     EXT_PROC_FILTER,
@@ -210,7 +209,7 @@ def _provider_cluster(provider: Provider, name: str, prototype: dict[str, Any], 
     urls = [urlsplit(url) for url in provider.endpoints]
     tls = urls[0].scheme == "https"
     addresses = [(url.hostname, url.port or (443 if tls else 80)) for url in urls]
-    cluster: dict[str, Any] = {"name": name, "type": "STATIC" if all(_is_ip(host) for host, _ in addresses) else "STRICT_DNS"}
+    cluster: dict[str, Any] = {"name": name, "type": "STATIC" if all(is_ip(host) for host, _ in addresses) else "STRICT_DNS"}
     cluster.update(copy.deepcopy(prototype))
     _set_balancing(cluster, provider, sessions)
     set_connection_reuse(cluster, provider, tls)
@@ -330,7 +329,7 @@ def _tls_socket(host: str, ca_file: str) -> dict[str, Any]:
     """TLS to `host` that verifies the certificate chain against `ca_file` (PEM, on Envoy's host)
     and the certificate's name against `host` (a DNS or IP subject alternative name), with
     `host` as SNI (not for an IP address, which SNI cannot carry)."""
-    ip = _is_ip(host)
+    ip = is_ip(host)
     context: dict[str, Any] = {"@type": TLS_CONTEXT_TYPE}
     if not ip:
         context["sni"] = host
@@ -347,13 +346,6 @@ def _health_path(provider: Provider) -> str:
         return urlsplit(provider.health_check.url).path or DEFAULT_HEALTH_PATH
     return DEFAULT_HEALTH_PATH
 
-
-def _is_ip(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
 
 
 # ---- affinity pick: the endpoint-picker protocol's clusters (issue 30) ---------------------------
