@@ -17,7 +17,6 @@ import time
 
 import httpx
 import redis
-
 from tests.fleet import LoadPlan, pinned_providers_per_session, run_load
 from tests.gateway_support import LIMITS, MODEL, gateway_config, start_gateway, wait_for_no_leases
 

@@ -16,8 +16,9 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from irislab.flood import FloodPlan, envoy_yaml_with_limits, flood
 from tests.gateway_support import MODEL, redis_client, start_gateway, wait_for_no_leases
+
+from irislab.flood import FloodPlan, envoy_yaml_with_limits, flood
 
 
 def main() -> None:

@@ -20,13 +20,13 @@ import time
 from pathlib import Path
 
 import httpx
+from tests.gateway_support import MODEL, chat_body, gateway_config, live_leases, provider_stats, redis_client, start_gateway, wait_until
 
 from extproc.config import parse_config
 from extproc.routing.state import Result, RoutingState
 from extproc.storage.client import connect
 from irislab.processes import start_redis
 from tests.conftest import small_config_data
-from tests.gateway_support import MODEL, chat_body, gateway_config, live_leases, provider_stats, redis_client, start_gateway, wait_until
 
 
 def metric(url: str, name: str) -> float:
