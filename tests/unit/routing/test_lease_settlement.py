@@ -21,34 +21,12 @@ from pathlib import Path
 
 import pytest
 
-from extproc.config import RedisSettings, parse_config
-from extproc.routing.degraded import DegradedFlags
-from extproc.routing.lease_table import Held, LeaseTable
-from extproc.routing.outage import InstanceRegistry, OutagePolicy, RedisBreaker
-from extproc.routing.router import Router, RoutingRequest
+from extproc.config import RedisSettings
+from extproc.routing.lease_table import Held
 from extproc.routing.state import RoutingState, connect
 from extproc.storage.pipelined import open_pipelined
 from irislab.processes import free_port, start_redis
-from tests.support.configs import small_config_data
-
-
-def chat(session: str | None) -> RoutingRequest:
-    return RoutingRequest("m", "chat", frozenset(), session)
-
-
-def make_table(client, redis_url, hot_path, lease_timeout: float, **overrides) -> LeaseTable:
-    config = parse_config(small_config_data(redis_url, lease_timeout_seconds=lease_timeout, **overrides))
-    state = RoutingState(client, config, hot_path=hot_path)
-    router = Router(config, state, DegradedFlags(client, config))
-    registry = InstanceRegistry(client, config.redis.key_prefix)
-    table = LeaseTable(config, state, router, OutagePolicy(config, router, registry), RedisBreaker(client, 3))
-    table.start()
-    return table
-
-
-async def live(redis, table: LeaseTable, provider: str = "iris-1") -> int:
-    seconds, micros = await redis.time()
-    return await redis.zcount(table.state.keys.provider_leases("m", provider), f"({seconds * 1000 + micros // 1000}", "+inf")
+from tests.support.lease_tables import chat, live, make_table
 
 
 async def until(predicate, seconds: float = 5.0) -> bool:

@@ -15,32 +15,12 @@ from extproc.config import parse_config
 from extproc.routing.degraded import DegradedFlags
 from extproc.routing.lease_table import Held, LeaseTable, Refusal
 from extproc.routing.outage import InstanceRegistry, OutagePolicy, RedisBreaker
-from extproc.routing.router import Router, RoutingRequest
+from extproc.routing.router import Router
 from extproc.routing.state import RoutingState, connect
 from extproc.storage.pipelined import open_pipelined
 from irislab.processes import free_port, start_redis
 from tests.support.configs import small_config_data
-
-
-def chat(session: str | None) -> RoutingRequest:
-    return RoutingRequest("m", "chat", frozenset(), session)
-
-
-def make_table(client, redis_url, hot_path=None, **overrides) -> LeaseTable:
-    """A started lease table over `client` (redis-py), its routing scripts over `hot_path` when
-    given (a PipelinedRedis), 0.3 s leases."""
-    config = parse_config(small_config_data(redis_url, lease_timeout_seconds=0.3, **overrides))
-    state = RoutingState(client, config, hot_path=hot_path)
-    router = Router(config, state, DegradedFlags(client, config))
-    registry = InstanceRegistry(client, config.redis.key_prefix)
-    table = LeaseTable(config, state, router, OutagePolicy(config, router, registry), RedisBreaker(client, 3))
-    table.start()
-    return table
-
-
-async def live(redis, table: LeaseTable, provider: str = "iris-1") -> int:
-    seconds, micros = await redis.time()
-    return await redis.zcount(table.state.keys.provider_leases("m", provider), f"({seconds * 1000 + micros // 1000}", "+inf")
+from tests.support.lease_tables import chat, live, make_table
 
 
 async def wait_for(predicate, seconds: float = 5.0) -> bool:
