@@ -9,8 +9,8 @@ body, only for those (record the response id: extproc.openai_api.chains; count t
 extproc.openai_api.usage) -> response trailers -> stream end, when the lease is released,
 refreshing the pin only after a 2xx. An answer body is asked for BUFFERED only when it is JSON
 that announces at most WHOLE_BODY_MAX_BYTES: Envoy fails (500) an answer larger than its buffer
-that it must buffer, so any other is read STREAMED, chunk by chunk, and never held whole. With tracing on (extproc.protocol.tracing), a span runs from
-the parsed body to the stream end.
+that it must buffer, so any other is read STREAMED, chunk by chunk, and never held whole. With
+tracing on (extproc.protocol.tracing), a span runs from the parsed body to the stream end.
 
 The stream loop knows only Envoy's phases: it hands each decision to the lease table
 (extproc.routing.lease_table), which owns every lease, and hands it the stream's end. The end reaches a
@@ -444,7 +444,7 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
         rewritten. BUFFERED only for a JSON answer of a known length of at most
         WHOLE_BODY_MAX_BYTES; otherwise STREAMED, without content-length when it is rewritten."""
         reads_id = stream.decision is not None and stream.reads_response_id and not self.breaker.open_for(stream.model)
-        reads_status = stream.lookup is not None and stream.lookup.lookup.action in ("retrieve", "cancel")
+        reads_status = stream.lookup is not None and stream.lookup.lookup.action in RENAMED_ACTIONS
         counts_usage = stream.decision is not None and self._counts_usage(stream.decision.provider)
         if not (reads_id or reads_status or counts_usage or stream.upstream_model is not None):
             return None, None
