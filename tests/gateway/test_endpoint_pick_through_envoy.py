@@ -73,10 +73,12 @@ def test_each_request_reaches_the_picked_endpoint_and_a_clients_pick_is_not_hono
                 picked = response.headers["x-iris-endpoint"]
                 assert response.headers["x-simulator-name"] == names[picked], "Envoy sent the request to the endpoint the router picked"
                 assert home.setdefault(session, picked) == picked, f"session {session} left its endpoint on turn {turn}"
-    assert len(set(home.values())) >= 2, "new sessions spread over the replicas (ties go round by the lease id)"
-    for endpoint in names:  # each replica saw the router's pick, itself first, never the client's value
+    # Ties go by the lease id, which is random: 12 sessions miss one replica of 3 about 2 % of the time.
+    assert len(set(home.values())) >= 2, "new sessions spread over the replicas"
+    for endpoint in names:  # a replica saw requests iff it was a home, each with the router's pick, itself first
         seen = httpx.get(f"http://{endpoint}/stats", timeout=5).json()["last_request_headers"]
-        assert seen and all(h["x-gateway-destination-endpoint"].split(",")[0] == endpoint for h in seen)
+        assert bool(seen) == (endpoint in home.values()), endpoint
+        assert all(h["x-gateway-destination-endpoint"].split(",")[0] == endpoint for h in seen)
 
 
 def test_no_replica_carries_more_than_its_cap(pool):
