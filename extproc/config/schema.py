@@ -136,6 +136,16 @@ LOAD_PRESETS: dict[str, tuple[str | None, tuple[LoadSignal, ...]]] = {
 }
 
 
+# The engines' own count of the requests they hold, running and waiting (docs/routing-state.md
+# "Endpoint placement"): on a provider with affinity `pick` each endpoint's sum is its engine
+# reading, a load term of placement beside the router's exact count.
+ENGINE_IN_FLIGHT: dict[str, tuple[str, ...]] = {
+    "vllm": ("vllm:num_requests_running", "vllm:num_requests_waiting"),
+    "sglang": ("sglang:num_running_reqs", "sglang:num_queue_reqs"),
+    "llamacpp": ("llamacpp:requests_processing", "llamacpp:requests_deferred"),
+}
+
+
 class LoadGauge(_Strict):
     """Degrade a managed provider's pairs while its engine is saturated, read from its Prometheus
     endpoint `url` (text format) every `interval_seconds`, within `timeout_seconds`.
@@ -147,7 +157,15 @@ class LoadGauge(_Strict):
     whose label equals the model's upstream name; without, the sum of every sample counts for
     every model. `stale_after_seconds` (fail closed, as the llm-d endpoint picker does): when no
     reading succeeded for that long, the provider's pairs count as saturated until one does;
-    None keeps today's fail-open behaviour (a flag lapses when readings stop)."""
+    None keeps today's fail-open behaviour (a flag lapses when readings stop).
+
+    On a provider with affinity `pick` the gauge is read from each endpoint (the path of `url`
+    against the endpoint's `ip:port`) and judges each endpoint instead of the pair: a saturated
+    endpoint, or one whose reading is stale, leaves placement (its `load` flag) and only its
+    sessions move; `stale_after_seconds` defaults there to 3 intervals (fail closed, as the
+    issue that brought pick asks). Each reading's sum of `in_flight_metrics` (default: the
+    preset's running and waiting requests, ENGINE_IN_FLIGHT) is the endpoint's engine count,
+    which placement weighs as load when it exceeds the router's own count."""
 
     url: str = Field(pattern=r"^https?://")
     preset: Literal["vllm", "sglang", "llamacpp"] | None = None
@@ -159,6 +177,21 @@ class LoadGauge(_Strict):
     interval_seconds: float = Field(default=5.0, gt=0)
     timeout_seconds: float = Field(default=1.0, gt=0)
     stale_after_seconds: float | None = Field(default=None, gt=0)
+    in_flight_metrics: list[str] | None = None
+
+    def engine_in_flight(self) -> tuple[str, ...]:
+        """The metrics whose sum is an engine's count of requests it holds: `in_flight_metrics`,
+        else the preset's (ENGINE_IN_FLIGHT), else none."""
+        if self.in_flight_metrics is not None:
+            return tuple(self.in_flight_metrics)
+        return ENGINE_IN_FLIGHT.get(self.preset, ()) if self.preset else ()
+
+    def stale_after(self, picks: bool) -> float | None:
+        """Seconds without a reading after which the gauge counts as saturated (None: never):
+        `stale_after_seconds`, else on a pick provider 3 intervals."""
+        if self.stale_after_seconds is None and picks:
+            return 3 * self.interval_seconds
+        return self.stale_after_seconds
 
     def all_signals(self) -> list[LoadSignal]:
         """Every signal, in the order of the class docstring."""
@@ -294,7 +327,8 @@ class Placement(_Strict):
     (extproc.openai_api.request) cut into blocks of `block_chars` bytes, at most `max_blocks`
     of them, each block's hash chained on the previous one's; the index keeps the latest
     `index_blocks_per_endpoint` hashes an endpoint served (LRU), for `index_ttl_seconds` after
-    its last update. `in_flight`: the endpoint's exact count of running requests of the pair.
+    its last update. `in_flight`: the endpoint's exact count of running requests of the pair,
+    or, with a `load` gauge on the provider, its engine's latest count of requests when higher.
     With the defaults a full prefix match is worth 2 requests in flight: a hot prefix stays on
     the endpoint that holds it until that endpoint carries 2 more requests than another one,
     then spreads (pure prefix affinity piles a hot prefix on one replica: SGLang #21199,

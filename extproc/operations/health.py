@@ -20,10 +20,11 @@ refresh interval and one source never clears another's (nor an operator's drain)
   session's next turn repins instead of meeting the same dead provider until the active check
   notices. The pair's next 2xx response or a healthy check of the provider clears it.
 
-On a provider with affinity `pick`, the active, passive and connect sources judge each endpoint
-instead of the pair: the check is sent to each endpoint, and a failure counts against the endpoint
+On a provider with affinity `pick`, every source judges each endpoint instead of the pair: the
+check and the load gauge are sent to each endpoint, and a failure counts against the endpoint
 that answered (Envoy's `upstream.address`); their flags (extproc.routing.endpoint_health) take
-only that endpoint out of placement, and the pair is degraded once every endpoint is out.
+only that endpoint out of placement, and the pair is degraded once every endpoint is out. The
+load gauge also records each engine's count of requests, a load term of placement.
 
 Unlimited providers are never degraded (the spec): they get no checks and no failure counting.
 """
@@ -41,7 +42,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from redis.asyncio import Redis
 
 from extproc import metrics
-from extproc.config import Config, HealthCheck, LoadGauge, Provider, ProviderKind
+from extproc.config import Config, HealthCheck, LoadGauge, LoadSignal, Provider, ProviderKind
 from extproc.config.endpoints import pick_endpoints
 from extproc.routing.degraded import CONNECT, HEALTH, LOAD, PASSIVE, DegradedFlags
 from extproc.routing.endpoint_health import EndpointHealth
@@ -115,6 +116,21 @@ def over_threshold(value: float, was_over: bool, threshold: float, recover_below
     return value > threshold or (was_over and value > recover_below)
 
 
+def saturation(signals: list[LoadSignal], values: dict[str, float], over: dict[tuple[str, str], bool], model: str) -> list[str]:
+    """Why `model` is saturated by one reading (`values`: metric -> value): one text per signal
+    over its threshold (with its hysteresis, kept in `over`: (model, metric) -> over), [] when
+    none is."""
+    saturated = []
+    for signal in signals:
+        key = (model, signal.metric)
+        value = values[signal.metric]
+        over[key] = over_threshold(value, over.get(key, False), signal.threshold, signal.recovers_at)
+        if over[key]:
+            reason = f"{signal.metric}={value:g} (degraded above {signal.threshold:g}"
+            saturated.append(reason + (f", until <= {signal.recovers_at:g})" if signal.recovers_at != signal.threshold else ")"))
+    return saturated
+
+
 def display_url(url: str) -> str:
     """`url` without user info and query, for reasons and logs (they may hold secrets)."""
     parts = urlsplit(url)
@@ -167,9 +183,13 @@ class HealthMonitor:
                     # Backoff at most one interval: a restarted check renews the flag before its TTL.
                     self._spawn(run_every(name, step, interval, max_backoff_seconds=interval))
             if provider.load is not None:
-                gauge = _LoadGaugeTask(self, provider, provider.load)
                 interval = provider.load.interval_seconds
-                self._spawn(run_every(f"load:{provider.name}", gauge.step, interval, max_backoff_seconds=interval))
+                # Affinity pick: each endpoint's engine read on its own, its flag takes only it out.
+                steps = [(f"load:{provider.name}:{e}", _EndpointLoadTask(self, provider, provider.load, e).step)
+                         for e in pick_endpoints(provider.endpoints)] if provider.name in self._picks else [
+                         (f"load:{provider.name}", _LoadGaugeTask(self, provider, provider.load).step)]
+                for name, step in steps:
+                    self._spawn(run_every(name, step, interval, max_backoff_seconds=interval))
 
     async def close(self) -> None:
         """Stop the checks and any failure still being recorded (a lost record only delays a
@@ -463,14 +483,7 @@ class _LoadGaugeTask:
                 log.warning("load state of %s not written: %s", self.provider.name, exc)
 
     async def _apply(self, model: str, values: dict[str, float]) -> None:
-        saturated = []
-        for signal in self.signals:
-            key = (model, signal.metric)
-            value = values[signal.metric]
-            self.over[key] = over_threshold(value, self.over.get(key, False), signal.threshold, signal.recovers_at)
-            if self.over[key]:
-                reason = f"{signal.metric}={value:g} (degraded above {signal.threshold:g}"
-                saturated.append(reason + (f", until <= {signal.recovers_at:g})" if signal.recovers_at != signal.threshold else ")"))
+        saturated = saturation(self.signals, values, self.over, model)
         if saturated:
             await self._set(model, "load: " + "; ".join(saturated))
         elif self.flagged.get(model):
@@ -485,4 +498,81 @@ class _LoadGaugeTask:
         if not self.flagged.get(model):
             metrics.child(metrics.DEGRADATIONS, name, LOAD).inc()
             log.warning("%s %s degraded: %s", name, model, reason)
+        self.flagged[model] = True
+
+
+class _EndpointLoadTask:
+    """The load gauge of one endpoint of a provider with affinity pick: the gauge's URL against
+    the endpoint's address. Per model, a signal over its threshold (with its hysteresis) or no
+    reading for `stale_after` seconds sets the endpoint's `load` flag (extproc.routing.
+    endpoint_health: out of placement, only its sessions move), and the first reading under
+    every threshold clears it; every reading also records the engine's count of requests (the
+    sum of the gauge's `engine_in_flight` metrics) that placement weighs as load."""
+
+    def __init__(self, monitor: HealthMonitor, provider: Provider, gauge: LoadGauge, endpoint: str):
+        self.monitor = monitor
+        self.provider = provider
+        self.gauge = gauge
+        self.endpoint = endpoint
+        self.signals = gauge.all_signals()
+        self.in_flight = gauge.engine_in_flight()
+        self.metrics = list(dict.fromkeys([s.metric for s in self.signals] + list(self.in_flight)))
+        self.stale_after = gauge.stale_after(picks=True)
+        self.upstream_names = {model: entry.upstream_model or model for model, entry in provider.models.items()}
+        self.ttl = max(gauge.interval_seconds, gauge.timeout_seconds) * monitor._ttl_intervals
+        self.url = endpoint_check_url(gauge.url, endpoint)
+        self.shown = display_url(self.url)
+        self.over: dict[tuple[str, str], bool] = {}
+        self.flagged: dict[str, bool] = {}  # model -> the endpoint's LOAD flag is held
+        self.reachable = True
+        self.last_read = time.monotonic()
+
+    async def step(self) -> None:
+        gauge, name = self.gauge, self.provider.name
+        try:
+            timeout = aiohttp.ClientTimeout(total=gauge.timeout_seconds)
+            async with self.monitor._http.get(self.url, timeout=timeout, allow_redirects=False) as response:
+                response.raise_for_status()
+                text = await response.text()
+            values = signal_values(text, self.metrics, gauge.label(), self.upstream_names)
+            self.reachable, self.last_read = True, time.monotonic()
+        except (asyncio.TimeoutError, aiohttp.ClientError, ValueError) as exc:
+            if self.reachable:
+                log.warning("load of %s endpoint %s not read from %s: %s", name, self.endpoint, self.shown, type(exc).__name__)
+            self.reachable = False
+            stale_for = time.monotonic() - self.last_read
+            if self.stale_after is not None and stale_for > self.stale_after:
+                reason = f"load: no reading of {self.shown} for {stale_for:.0f} s (stale after {self.stale_after:g} s)"
+                await self._write(lambda model: self._set(model, reason))
+            return
+        await self._write(lambda model: self._apply(model, {metric: values[metric][model] for metric in self.metrics}))
+
+    async def _write(self, per_model) -> None:
+        for model in self.upstream_names:
+            try:
+                await per_model(model)
+            except REDIS_FAILURES as exc:
+                log.warning("load state of %s endpoint %s not written: %s", self.provider.name, self.endpoint, exc)
+
+    async def _apply(self, model: str, values: dict[str, float]) -> None:
+        endpoints, name = self.monitor.endpoints, self.provider.name
+        if self.in_flight:
+            requests = sum(values[metric] for metric in self.in_flight)
+            await endpoints.write_readings(name, model, {self.endpoint: requests}, self.ttl)
+        saturated = saturation(self.signals, values, self.over, model)
+        if saturated:
+            await self._set(model, "load: " + "; ".join(saturated))
+        elif self.flagged.get(model):
+            await endpoints.clear(name, model, self.endpoint, LOAD)
+            self.flagged[model] = False
+            await self.monitor.flags.refresh()
+            log.warning("%s %s endpoint %s load back under every threshold", name, model, self.endpoint)
+
+    async def _set(self, model: str, reason: str) -> None:
+        name = self.provider.name
+        await self.monitor.endpoints.set(name, model, self.endpoint, reason, self.ttl, LOAD)
+        if not self.flagged.get(model):
+            metrics.child(metrics.DEGRADATIONS, name, LOAD).inc()
+            log.warning("%s %s endpoint %s out: %s", name, model, self.endpoint, reason)
+            await self.monitor.flags.refresh()  # every endpoint out degrades the pair: seen here at once
         self.flagged[model] = True

@@ -7,13 +7,20 @@ effect on the next decision of every proxy, and a session pinned to a flagged en
 again at its next turn while the sessions on the other endpoints keep theirs. The sources are the
 pair's (extproc.routing.degraded), per endpoint: `manual` (`iris-extproc drain PROVIDER --endpoint
 ip:port`), `health` (the provider's health check URL against each endpoint), `passive` (5xx
-bursts of the endpoint) and `connect` (Envoy saw the endpoint refuse the connection or reset it
-before the headers). One source never clears another's.
+bursts of the endpoint), `connect` (Envoy saw the endpoint refuse the connection or reset it
+before the headers) and `load` (the engine's own gauge over its threshold, or not read for
+`stale_after`). One source never clears another's.
+
+The same hash carries each endpoint's latest engine reading (the count of requests its engine
+holds, running and waiting, scraped by the `load` gauge: extproc.operations.health), which
+placement weighs beside the router's exact count; a reading is not a flag, and one that is not
+renewed lapses at its own deadline.
 
 Layout: one hash per pair, ``{prefix:model}:endpoint-health:<provider>``, field
-``"<ip:port> <source>"``, value ``"<until> <reason>"`` (until: Redis time, ms). Every write runs
-a script that takes Redis TIME, drops the pair's expired flags and keeps the hash's TTL at its
-longest flag. When every endpoint of a pair is out, the pair is degraded as any degraded pair
+``"<ip:port> <source>"``, value ``"<until> <reason>"``, and field ``"<ip:port> reading"``, value
+``"<until> <requests>"`` (until: Redis time, ms). Every write runs a script that takes Redis
+TIME, drops the pair's expired fields and keeps the hash's TTL at its longest field. When
+every endpoint of a pair is out, the pair is degraded as any degraded pair
 (extproc.routing.degraded reads these flags with its own: source `endpoints`), so the router
 answers as it does for a degraded pair (another provider, or `unavailable`); until that
 instance's next refresh the scripts find no endpoint to place on and answer the pair full.
@@ -29,21 +36,18 @@ from extproc.storage.client import LuaScript, RedisClient
 from extproc.storage.keys import Keyspace
 
 # The sources, named as the pair's (extproc.routing.degraded, which imports this module).
-MANUAL, HEALTH, PASSIVE, CONNECT = "manual", "health", "passive", "connect"
-ENDPOINT_SOURCES = (MANUAL, HEALTH, PASSIVE, CONNECT)
+MANUAL, HEALTH, PASSIVE, CONNECT, LOAD = "manual", "health", "passive", "connect", "load"
+ENDPOINT_SOURCES = (MANUAL, HEALTH, PASSIVE, CONNECT, LOAD)
+# The field kind of an engine reading (lua/lib.lua `endpoint_down` tells it from a flag).
+READING = "reading"
 
-# KEYS: [1] the pair's endpoint health hash. ARGV: [1] field, [2] ttl ms (0: clear), [3] reason.
-# Returns 1 when the field was set before (a clear's answer), else 0.
-_WRITE = LuaScript("""
+_NOW = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local existed = redis.call('HEXISTS', KEYS[1], ARGV[1])
-local ttl = tonumber(ARGV[2])
-if ttl > 0 then
-  redis.call('HSET', KEYS[1], ARGV[1], (now + ttl) .. ' ' .. ARGV[3])
-else
-  redis.call('HDEL', KEYS[1], ARGV[1])
-end
+"""
+
+# Drops the hash's expired fields and keeps its TTL at its latest deadline.
+_KEEP_TTL = """
 local latest = 0
 local flags = redis.call('HGETALL', KEYS[1])
 for i = 1, #flags, 2 do
@@ -57,7 +61,30 @@ end
 if latest > 0 then
   redis.call('PEXPIRE', KEYS[1], latest - now)
 end
+"""
+
+# KEYS: [1] the pair's endpoint health hash. ARGV: [1] field, [2] ttl ms (0: clear), [3] reason.
+# Returns 1 when the field was set before (a clear's answer), else 0.
+_WRITE = LuaScript(_NOW + """
+local existed = redis.call('HEXISTS', KEYS[1], ARGV[1])
+local ttl = tonumber(ARGV[2])
+if ttl > 0 then
+  redis.call('HSET', KEYS[1], ARGV[1], (now + ttl) .. ' ' .. ARGV[3])
+else
+  redis.call('HDEL', KEYS[1], ARGV[1])
+end
+""" + _KEEP_TTL + """
 return existed
+""")
+
+# KEYS: [1] the pair's endpoint health hash. ARGV: [1] ttl ms, then (field, requests) pairs.
+_READINGS = LuaScript(_NOW + """
+local ttl = tonumber(ARGV[1])
+for i = 2, #ARGV, 2 do
+  redis.call('HSET', KEYS[1], ARGV[i], (now + ttl) .. ' ' .. ARGV[i + 1])
+end
+""" + _KEEP_TTL + """
+return 0
 """)
 
 # Passive check per endpoint. KEYS: [1] the endpoint's recent failures (zset), [2] the pair's
@@ -127,6 +154,16 @@ class EndpointHealth:
         out, _ = await _FAILURE(self.redis, keys, args)
         return bool(out)
 
+    async def write_readings(self, provider: str, model: str, readings: dict[str, float], ttl_seconds: float) -> None:
+        """Record each endpoint's engine reading (`ip:port` -> requests its engine holds) for
+        `ttl_seconds` (seconds), in one script call; nothing for an empty dict."""
+        if not readings:
+            return
+        args: list[object] = [max(1, round(ttl_seconds * 1000))]
+        for endpoint, requests in readings.items():
+            args += [f"{_endpoint(endpoint)} {READING}", f"{requests:g}"]
+        await _READINGS(self.redis, [self.keys.endpoint_health(model, provider)], args)
+
     async def flags(self, provider: str, model: str) -> list[EndpointFlag]:
         """The pair's endpoint flags that hold now, by endpoint then source."""
         raw = await self.redis.hgetall(self.keys.endpoint_health(model, provider))
@@ -134,22 +171,39 @@ class EndpointHealth:
 
 
 def live_flags(raw: dict, now_ms: float) -> list[EndpointFlag]:
-    """The flags of one pair's hash (its HGETALL) that hold at `now_ms` (ms since the epoch)."""
+    """The flags of one pair's hash (its HGETALL) that hold at `now_ms` (ms since the epoch);
+    engine readings are not flags."""
     out = []
+    for endpoint, source, until, reason in _live_fields(raw, now_ms):
+        if source != READING:
+            out.append(EndpointFlag(endpoint, source, reason, (until - now_ms) / 1000))
+    return sorted(out, key=lambda f: (f.endpoint, f.source))
+
+
+def live_readings(raw: dict, now_ms: float) -> dict[str, float]:
+    """The engine readings of one pair's hash (its HGETALL) that hold at `now_ms` (ms since the
+    epoch): `ip:port` -> requests its engine holds."""
+    return {endpoint: float(value) for endpoint, source, _, value in _live_fields(raw, now_ms) if source == READING}
+
+
+def _live_fields(raw: dict, now_ms: float):
     for field, value in raw.items():
         endpoint, _, source = _text(field).partition(" ")
-        until, _, reason = _text(value).partition(" ")
+        until, _, rest = _text(value).partition(" ")
         if until.isdigit() and int(until) > now_ms:
-            out.append(EndpointFlag(endpoint, source, reason, (int(until) - now_ms) / 1000))
-    return sorted(out, key=lambda f: (f.endpoint, f.source))
+            yield endpoint, source, int(until), rest
 
 
 def _field(endpoint: str, source: str) -> str:
     if source not in ENDPOINT_SOURCES:
         raise ValueError(f"unknown endpoint-flag source {source!r}")
+    return f"{_endpoint(endpoint)} {source}"
+
+
+def _endpoint(endpoint: str) -> str:
     if not endpoint or " " in endpoint:
         raise ValueError(f"not an endpoint: {endpoint!r}")
-    return f"{endpoint} {source}"
+    return endpoint
 
 
 def _text(value: bytes | str) -> str:

@@ -308,19 +308,26 @@ local function prefix_overlap(ctx, pick, j)
 end
 
 -- The endpoints of pick pair p that some health flag takes out of placement now (a set:
--- `ip:port` -> true). The pair's flags are one hash (extproc.routing.endpoint_health): field
--- "<ip:port> <source>", value "<until ms> <reason>"; a flag holds while its until is in the
--- future (the writers drop the expired ones). O(flags of the pair): none on a healthy pair.
+-- `ip:port` -> true), and their engines' latest readings (`ip:port` -> requests the engine
+-- holds). The pair's flags are one hash (extproc.routing.endpoint_health): field
+-- "<ip:port> <source>", value "<until ms> <reason>", and field "<ip:port> reading", value
+-- "<until ms> <requests>"; a field holds while its until is in the future (the writers drop the
+-- expired ones). O(fields of the pair): none on a healthy pair without a load gauge.
 local function endpoint_down(ctx, p)
-  local down = {}
-  local flags = redis.call('HGETALL', p.pick.health)
-  for i = 1, #flags, 2 do
-    local until_ms = tonumber(string.match(flags[i + 1], '^(%d+)'))
-    if until_ms and until_ms > ctx.now then
-      down[string.match(flags[i], '^(%S+)')] = true
+  local down, engine = {}, {}
+  local fields = redis.call('HGETALL', p.pick.health)
+  for i = 1, #fields, 2 do
+    local until_ms, value = string.match(fields[i + 1], '^(%d+) ?(.*)$')
+    if until_ms and tonumber(until_ms) > ctx.now then
+      local endpoint, kind = string.match(fields[i], '^(%S+) (%S+)$')
+      if kind == 'reading' then
+        engine[endpoint] = tonumber(value)
+      elseif endpoint then
+        down[endpoint] = true
+      end
     end
   end
-  return down
+  return down, engine
 end
 
 -- Pair p's healthy endpoints under their cap, best first (a list of endpoint indexes; empty when
@@ -329,15 +336,18 @@ end
 -- its admission); sessions on the other endpoints keep theirs. `sticky` (an index or nil): the
 -- session's pinned endpoint, first while under its cap; the fallbacks after it are then ranked by load alone (the common path of a
 -- pinned turn reads no prefix index). Otherwise by placement score (prefix weight x overlap
--- share - load weight x in-flight count), then fewer in flight, then a rotation by the lease id,
--- so that equal endpoints share new work instead of the first one taking it all.
+-- share - load weight x load), then lower load, then a rotation by the lease id, so that equal
+-- endpoints share new work instead of the first one taking it all. An endpoint's load is its
+-- exact in-flight count, or its engine's latest reading (requests its engine holds, from the
+-- same hash as the flags) when that is higher: the engine also sees work the router did not
+-- send. The cap counts the exact in-flight count alone.
 local function rank_endpoints(ctx, p, sticky, lease_id)
   local pick, placement = p.pick, ctx.placement
   local k = #ctx.blocks
   if sticky and (pick.cap == NO_LIMIT or live_count(pick.leases[sticky], ctx.now) < pick.cap) then
     k = 0
   end
-  local down = endpoint_down(ctx, p)
+  local down, engine = endpoint_down(ctx, p)
   if sticky and down[pick.endpoints[sticky]] then
     sticky, k = nil, #ctx.blocks  -- its endpoint is out: the session is placed again
   end
@@ -351,8 +361,9 @@ local function rank_endpoints(ctx, p, sticky, lease_id)
       if k > 0 and placement.prefix_weight > 0 then
         overlap = prefix_overlap(ctx, pick, j) / k
       end
-      table.insert(ranked, {j = j, n = n, turn = (j + rotate) % e,
-        first = (j == sticky) and 1 or 0, score = placement.prefix_weight * overlap - placement.load_weight * n})
+      local load = math.max(n, engine[pick.endpoints[j]] or 0)
+      table.insert(ranked, {j = j, n = load, turn = (j + rotate) % e,
+        first = (j == sticky) and 1 or 0, score = placement.prefix_weight * overlap - placement.load_weight * load})
     end
   end
   table.sort(ranked, function(a, b)

@@ -250,7 +250,8 @@ async def test_a_stale_load_signal_fails_closed_until_a_reading_comes_back(redis
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", port).start()
         try:
-            await refreshed_until(flags, lambda: not flags.is_degraded("iris-1", "m"))
+            # One reading clears the models one after the other: wait for both.
+            await refreshed_until(flags, lambda: not flags.is_degraded("iris-1", "m") and not flags.is_degraded("iris-1", "e"))
             assert not flags.is_degraded("iris-1", "m") and not flags.is_degraded("iris-1", "e")
         finally:
             await runner.cleanup()

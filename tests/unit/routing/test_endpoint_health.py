@@ -13,10 +13,10 @@ from aiohttp import web
 
 from extproc import cli
 from extproc.config import parse_config
-from extproc.operations.health import HealthMonitor, _EndpointCheckTask, endpoint_check_url
+from extproc.operations.health import HealthMonitor, _EndpointCheckTask, _EndpointLoadTask, endpoint_check_url
 from extproc.routing.degraded import ENDPOINTS as ENDPOINTS_SOURCE
 from extproc.routing.degraded import DegradedFlags
-from extproc.routing.endpoint_health import CONNECT, HEALTH, MANUAL, EndpointHealth
+from extproc.routing.endpoint_health import CONNECT, HEALTH, LOAD, MANUAL, EndpointHealth, live_readings
 from extproc.routing.router import Router, RoutingRequest
 from extproc.routing.state import Result, RoutingState
 from irislab.processes import free_port
@@ -224,19 +224,29 @@ async def test_a_5xx_burst_of_one_endpoint_takes_out_that_endpoint(pool, redis_c
 
 
 class Replica:
-    """A loopback HTTP server whose /health answers `status` (None: the port is closed)."""
+    """A loopback HTTP server whose /health answers `status` and whose /metrics answers
+    `metrics` (Prometheus text, vLLM's gauges; None: the port is closed)."""
 
     def __init__(self):
         self.status = 200
+        self.metrics = ""
         self.port = free_port()
         self.runner = None
+
+    def engine_holds(self, running: int, waiting: int) -> None:
+        self.metrics = (f'vllm:num_requests_running{{model_name="m"}} {running}\n'
+                        f'vllm:num_requests_waiting{{model_name="m"}} {waiting}\n')
 
     async def start(self):
         app = web.Application()
         async def health(_request):
             return web.Response(status=self.status)
 
+        async def metrics(_request):
+            return web.Response(text=self.metrics)
+
         app.router.add_get("/health", health)
+        app.router.add_get("/metrics", metrics)
         self.runner = web.AppRunner(app)
         await self.runner.setup()
         await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
@@ -286,6 +296,82 @@ async def test_the_active_check_runs_against_each_endpoint(redis_client, redis_u
             await steps[endpoints[1]].step()
             assert {f.endpoint for f in await health.flags("iris-1", "m")} == {endpoints[0], endpoints[2]}
             assert not flags.is_degraded("iris-1", "m")
+        finally:
+            await monitor.close()
+    finally:
+        for replica in replicas:
+            await replica.stop()
+
+
+async def test_an_engines_reading_weighs_as_load_above_the_exact_count(pool, redis_client):
+    """Placement's load is the larger of the router's exact count and the engine's reading (it
+    also sees work the router did not send); a reading is no flag and lapses at its deadline."""
+    config, state, homes, health = pool
+    busy = ENDPOINTS[0]
+    await health.write_readings("iris-1", "m", {busy: 7, ENDPOINTS[1]: 0}, 60)
+    assert await health.flags("iris-1", "m") == []
+    raw = await redis_client.hgetall(state.keys.endpoint_health("m", "iris-1"))
+    assert live_readings(raw, T0) == {busy: 7.0, ENDPOINTS[1]: 0.0}
+    for i in range(4):  # sessionless requests: never the busy endpoint while another is lighter
+        admission = await state.try_admit_request_without_pin("iris-1", "m", now_ms=T0 + 10 + i)
+        assert admission.lease.endpoint != busy and admission.lease.endpoints[-1] == busy
+    # A session pinned to the busy endpoint stays: the reading is load, not a flag.
+    session = next(s for s in SESSIONS if homes[s] == busy)
+    assert (await state.try_admit_pinned_session_request("m", session, now_ms=T0 + 20)).lease.endpoint == busy
+    later = T0 + 10**13  # after the reading's deadline (Redis time + 60 s): it no longer counts
+    placed = {(await state.try_admit_request_without_pin("iris-1", "m", now_ms=later + i)).lease.endpoint for i in range(6)}
+    assert busy in placed
+
+
+async def test_the_load_gauge_reads_each_endpoint_and_takes_out_only_a_saturated_or_silent_one(redis_client, redis_url):
+    """Affinity pick: the provider's `load` gauge (vLLM's preset) is read from each endpoint; one
+    over a threshold and one that cannot be read past stale_after_seconds get the `load` flag and
+    leave placement, the third keeps placing; each reading records the engine's running + waiting
+    requests; back under every threshold clears the flag."""
+    replicas = [Replica() for _ in range(3)]
+    for replica in replicas[:2]:
+        await replica.start()
+    replicas[0].engine_holds(running=2, waiting=12)  # over vLLM's waiting threshold (8)
+    replicas[1].engine_holds(running=1, waiting=0)
+    try:
+        data = small_config_data(redis_url)
+        pool_provider = data["providers"][0]
+        pool_provider["affinity"] = "pick"
+        pool_provider["endpoints"] = [f"http://127.0.0.1:{r.port}" for r in replicas]
+        pool_provider["load"] = {"url": "http://pool.invalid:8000/metrics", "preset": "vllm",
+                                 "interval_seconds": 60, "stale_after_seconds": 0.2}
+        pool_provider["models"]["m"]["limits"] = {"max_pinned_sessions": 100, "max_global_in_flight_request_slots": 100,
+                                                  "max_per_session_in_flight_request_slots": 10}
+        config = parse_config(data)
+        flags = DegradedFlags(redis_client, config)
+        monitor = HealthMonitor(config, redis_client, flags)
+        health = EndpointHealth(redis_client, config.redis.key_prefix)
+        state = RoutingState(redis_client, config)
+        monitor.start()  # each loop's first reading; the steps below are this test's
+        try:
+            endpoints = [f"127.0.0.1:{r.port}" for r in replicas]
+            provider = config.provider("iris-1")
+            steps = [_EndpointLoadTask(monitor, provider, provider.load, e) for e in endpoints]
+            deadline = asyncio.get_running_loop().time() + 10
+            while LOAD not in {f.source for f in await health.flags("iris-1", "m") if f.endpoint == endpoints[2]}:
+                assert asyncio.get_running_loop().time() < deadline, "the silent endpoint never went out"
+                for step in steps:
+                    await step.step()
+            out = {f.endpoint: f.reason for f in await health.flags("iris-1", "m")}
+            assert set(out) == {endpoints[0], endpoints[2]}
+            assert "vllm:num_requests_waiting=12" in out[endpoints[0]]
+            assert out[endpoints[2]].startswith(f"load: no reading of http://{endpoints[2]}/metrics")
+            raw = await redis_client.hgetall(state.keys.endpoint_health("m", "iris-1"))
+            assert live_readings(raw, T0) == {endpoints[0]: 14.0, endpoints[1]: 1.0}
+            for session in SESSIONS[:3]:
+                admission = await state.try_admit_unpinned_session_request("iris-1", "m", session, now_ms=T0 + 1)
+                assert admission.lease.endpoint == endpoints[1]
+            assert not flags.is_degraded("iris-1", "m")
+            replicas[0].engine_holds(running=0, waiting=1)  # back at or under recover_below (2)
+            await steps[0].step()
+            assert {f.endpoint for f in await health.flags("iris-1", "m")} == {endpoints[2]}
+            admission = await state.try_admit_request_without_pin("iris-1", "m", now_ms=T0 + 2)
+            assert admission.lease.endpoint == endpoints[0], "its engine holds 1, the other endpoint 3 of the router's"
         finally:
             await monitor.close()
     finally:
