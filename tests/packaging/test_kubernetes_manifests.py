@@ -156,7 +156,8 @@ def test_envoy_extension_policy_matches_the_schema_and_the_decision_bound():
     assert seconds(ext_proc["messageTimeout"]) > routing_config().server.decision_timeout_seconds
     assert seconds(ext_proc["messageTimeout"]) == seconds(envoy_ext_proc()["message_timeout"])
     assert ext_proc["failOpen"] is envoy_ext_proc()["failure_mode_allow"] is False
-    assert ext_proc["processingMode"] == {"request": {"body": "Buffered"}, "response": {}, "allowModeOverride": True}
+    assert ext_proc["processingMode"] == {"request": {"body": "Buffered"}, "allowModeOverride": True,
+                                          "response": {"attributes": envoy_ext_proc()["response_attributes"]}}
     service = by_kind("Service")
     assert ext_proc["backendRefs"] == [{"name": service["metadata"]["name"], "namespace": kustomization()["namespace"],
                                         "port": service["spec"]["ports"][0]["port"]}]
