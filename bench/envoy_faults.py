@@ -30,10 +30,10 @@ import httpx
 
 from irislab import envoy_config
 from irislab.local_gateway import LocalGateway, ProviderSimulation
-from tests.gateway_support import MODEL, chat_body, wait_until
-from tests.test_drain import config as drain_config
-from tests.test_envoy_capacity import SIMULATION, concurrent_streams, envoy_stats, raise_fd_limit
-from tests.test_envoy_capacity import config as capacity_config
+from tests.gateway.test_drain import config as drain_config
+from tests.gateway.test_envoy_capacity import SIMULATION, concurrent_streams, envoy_stats, raise_fd_limit
+from tests.gateway.test_envoy_capacity import config as capacity_config
+from tests.support.gateway import MODEL, chat_body, wait_until
 
 
 def repro_5(work: Path) -> None:

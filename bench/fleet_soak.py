@@ -17,8 +17,9 @@ import time
 
 import httpx
 import redis
-from tests.fleet import LoadPlan, pinned_providers_per_session, run_load
-from tests.gateway_support import LIMITS, MODEL, gateway_config, start_gateway, wait_for_no_leases
+
+from tests.support.fleet import LoadPlan, pinned_providers_per_session, run_load
+from tests.support.gateway import LIMITS, MODEL, gateway_config, start_gateway, wait_for_no_leases
 
 
 def main() -> None:

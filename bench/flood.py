@@ -16,9 +16,8 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from tests.gateway_support import MODEL, redis_client, start_gateway, wait_for_no_leases
-
 from irislab.flood import FloodPlan, envoy_yaml_with_limits, flood
+from tests.support.gateway import MODEL, redis_client, start_gateway, wait_for_no_leases
 
 
 def main() -> None:

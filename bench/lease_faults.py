@@ -20,13 +20,13 @@ import time
 from pathlib import Path
 
 import httpx
-from tests.gateway_support import MODEL, chat_body, gateway_config, live_leases, provider_stats, redis_client, start_gateway, wait_until
 
 from extproc.config import parse_config
 from extproc.routing.state import Result, RoutingState
 from extproc.storage.client import connect
 from irislab.processes import start_redis
-from tests.conftest import small_config_data
+from tests.support.configs import small_config_data
+from tests.support.gateway import MODEL, chat_body, gateway_config, live_leases, provider_stats, redis_client, start_gateway, wait_until
 
 
 def metric(url: str, name: str) -> float:
@@ -200,7 +200,7 @@ def repro_3(work: Path) -> None:
 
 def repro_4(work: Path) -> None:
     print("4. continuous traffic through a recovery, local_share (issue: 253 local leases never adopted)")
-    from tests.fleet import LoadPlan, run_load
+    from tests.support.fleet import LoadPlan, run_load
 
     gateway = start_gateway(work / "4", lease_timeout_seconds=1.5,
                             redis={"key_prefix": "e2e", "outage_policy": "local_share", "socket_timeout_seconds": 0.2})
