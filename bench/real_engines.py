@@ -356,11 +356,12 @@ def front_unavailable(front: str) -> str | None:
     return peers.unavailable(peer) if peer else None
 
 
-def iris_config(front: str, urls: list[str], parallel: int, queue_wait_ms: int) -> dict[str, Any]:
+def iris_config(front: str, urls: list[str], parallel: int, queue_wait_ms: int, prefix_weight: float | None = None) -> dict[str, Any]:
     """The gateway's config for `front` over the pool `urls`: the pool alone (limits that never
     bind, no third party), or as an operator runs it (`*_operator`: the pool's slots as its
     limit, the admission queue waiting `queue_wait_ms`, a third party; with pick, each engine
-    capped at its slots)."""
+    capped at its slots). `prefix_weight`: pick's `routing.placement.prefix_weight` (None: the
+    config's default)."""
     operator = front.endswith("_operator")
     slots = len(urls) * parallel
     model: dict[str, Any] = {"features": ["chat"],
@@ -378,13 +379,15 @@ def iris_config(front: str, urls: list[str], parallel: int, queue_wait_ms: int) 
                                     "models": {MODEL_NAME: {"features": ["chat"]}}})
         if queue_wait_ms > 0:
             config["routing"] = {"queue": {"classes": [{"name": "interactive", "max_wait_ms": queue_wait_ms}]}}
+    if prefix_weight is not None and front.startswith("iris_pick"):
+        config.setdefault("routing", {})["placement"] = {"prefix_weight": prefix_weight}
     return config
 
 
 def start_front(front: str, urls: list[str], work: Path, args: argparse.Namespace) -> tuple[str, Callable[[], None]]:
     """Start front end `front` over engine `urls`; returns its base URL and how to stop it."""
     if front in IRIS_FRONTS:
-        config = iris_config(front, urls, args.parallel, args.queue_wait_ms)
+        config = iris_config(front, urls, args.parallel, args.queue_wait_ms, args.prefix_weight)
         gateway = LocalGateway(config_data=config, engines={HOME: urls}, work_dir=work / "iris")
         gateway.__enter__()
         return gateway.url, gateway.stop
@@ -679,6 +682,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--clients", type=int, default=0,
                         help="concurrent clients (0: 4/3 x the pool's slots for chat, 2 x for groups)")
     parser.add_argument("--queue-wait-ms", type=int, default=2000, help="the *_operator fronts' admission queue wait")
+    parser.add_argument("--prefix-weight", type=float, default=None,
+                        help="the pick fronts' routing.placement.prefix_weight (default: the config's)")
     parser.add_argument("--fronts", nargs="+", default=list(FRONTS), choices=FRONTS)
     parser.add_argument("--client", choices=("own", "aiperf"), default="own",
                         help="own: this module's driver; aiperf: aiperf's conversations with a prefix pool, sized as groups "
