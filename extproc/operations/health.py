@@ -431,6 +431,47 @@ class _EndpointCheckTask:
             log.warning("health state of %s endpoint %s not written: %s", provider, self.endpoint, exc)
 
 
+class _GaugeReader:
+    """Reads one Prometheus endpoint of a load gauge (`url`, text format) within the gauge's
+    timeout, and keeps the time of its last successful reading to tell when it is stale."""
+
+    def __init__(self, monitor: HealthMonitor, gauge: LoadGauge, url: str, metrics_read: list[str],
+                 upstream_names: dict[str, str], stale_after: float | None):
+        self.monitor = monitor
+        self.gauge = gauge
+        self.url = url
+        self.shown = display_url(url)
+        self.metrics_read = metrics_read
+        self.upstream_names = upstream_names
+        self.stale_after = stale_after  # seconds, None: never stale
+        self.reachable = True
+        self.last_read = time.monotonic()
+
+    async def read(self, what: str) -> dict[str, dict[str, float]] | None:
+        """One reading: metric -> model -> value (signal_values), or None when the endpoint did
+        not answer 2xx with parseable text in time (logged once per outage, naming `what`)."""
+        try:
+            timeout = aiohttp.ClientTimeout(total=self.gauge.timeout_seconds)
+            async with self.monitor._http.get(self.url, timeout=timeout, allow_redirects=False) as response:
+                response.raise_for_status()
+                text = await response.text()
+            values = signal_values(text, self.metrics_read, self.gauge.label(), self.upstream_names)
+        except (asyncio.TimeoutError, aiohttp.ClientError, ValueError) as exc:
+            if self.reachable:
+                log.warning("load of %s not read from %s: %s", what, self.shown, type(exc).__name__)
+            self.reachable = False
+            return None
+        self.reachable, self.last_read = True, time.monotonic()
+        return values
+
+    def stale_reason(self) -> str | None:
+        """The flag's reason when no reading succeeded for `stale_after` seconds, else None."""
+        stale_for = time.monotonic() - self.last_read
+        if self.stale_after is None or stale_for <= self.stale_after:
+            return None
+        return f"load: no reading of {self.shown} for {stale_for:.0f} s (stale after {self.stale_after:g} s)"
+
+
 class _LoadGaugeTask:
     """One provider's load gauge; `step()` is one reading and its effect on the flags: a pair is
     saturated while any of the gauge's signals is over its threshold (each with its hysteresis),
@@ -439,46 +480,28 @@ class _LoadGaugeTask:
     def __init__(self, monitor: HealthMonitor, provider: Provider, gauge: LoadGauge):
         self.monitor = monitor
         self.provider = provider
-        self.gauge = gauge
         self.signals = gauge.all_signals()
         self.upstream_names = {model: entry.upstream_model or model for model, entry in provider.models.items()}
         self.ttl = max(gauge.interval_seconds, gauge.timeout_seconds) * monitor._ttl_intervals
-        self.url = display_url(gauge.url)
+        self.reader = _GaugeReader(monitor, gauge, gauge.url, [s.metric for s in self.signals], self.upstream_names,
+                                   gauge.stale_after(picks=False))
         self.over: dict[tuple[str, str], bool] = {}  # (model, metric) -> over its threshold
         self.flagged: dict[str, bool] = {}  # model -> its LOAD flag is held
-        self.reachable = True
-        self.last_read = time.monotonic()
 
     async def step(self) -> None:
-        gauge, name = self.gauge, self.provider.name
-        try:
-            timeout = aiohttp.ClientTimeout(total=gauge.timeout_seconds)
-            async with self.monitor._http.get(gauge.url, timeout=timeout, allow_redirects=False) as response:
-                response.raise_for_status()
-                text = await response.text()
-            values = signal_values(text, [signal.metric for signal in self.signals], gauge.label(), self.upstream_names)
-            self.reachable, self.last_read = True, time.monotonic()
-        except (asyncio.TimeoutError, aiohttp.ClientError, ValueError) as exc:
+        values = await self.reader.read(self.provider.name)
+        if values is None:
             # Unknown load: renew nothing, so a held flag expires within its TTL, unless the
             # reading is stale past stale_after_seconds (fail closed).
-            if self.reachable:
-                log.warning("load of %s not read from %s: %s", name, self.url, type(exc).__name__)
-            self.reachable = False
-            stale_for = time.monotonic() - self.last_read
-            if gauge.stale_after_seconds is not None and stale_for > gauge.stale_after_seconds:
-                reason = f"load: no reading of {self.url} for {stale_for:.0f} s (stale after {gauge.stale_after_seconds:g} s)"
-                await self._write_all(reason)
+            if reason := self.reader.stale_reason():
+                await self._write(lambda model: self._set(model, reason))
             return
-        for model in self.upstream_names:
-            try:
-                await self._apply(model, {signal.metric: values[signal.metric][model] for signal in self.signals})
-            except REDIS_FAILURES as exc:
-                log.warning("load state of %s not written: %s", name, exc)
+        await self._write(lambda model: self._apply(model, {signal.metric: values[signal.metric][model] for signal in self.signals}))
 
-    async def _write_all(self, reason: str) -> None:
+    async def _write(self, per_model) -> None:
         for model in self.upstream_names:
             try:
-                await self._set(model, reason)
+                await per_model(model)
             except REDIS_FAILURES as exc:
                 log.warning("load state of %s not written: %s", self.provider.name, exc)
 
@@ -512,37 +535,21 @@ class _EndpointLoadTask:
     def __init__(self, monitor: HealthMonitor, provider: Provider, gauge: LoadGauge, endpoint: str):
         self.monitor = monitor
         self.provider = provider
-        self.gauge = gauge
         self.endpoint = endpoint
         self.signals = gauge.all_signals()
         self.in_flight = gauge.engine_in_flight()
         self.metrics = list(dict.fromkeys([s.metric for s in self.signals] + list(self.in_flight)))
-        self.stale_after = gauge.stale_after(picks=True)
         self.upstream_names = {model: entry.upstream_model or model for model, entry in provider.models.items()}
         self.ttl = max(gauge.interval_seconds, gauge.timeout_seconds) * monitor._ttl_intervals
-        self.url = endpoint_check_url(gauge.url, endpoint)
-        self.shown = display_url(self.url)
+        self.reader = _GaugeReader(monitor, gauge, endpoint_check_url(gauge.url, endpoint), self.metrics, self.upstream_names,
+                                   gauge.stale_after(picks=True))
         self.over: dict[tuple[str, str], bool] = {}
         self.flagged: dict[str, bool] = {}  # model -> the endpoint's LOAD flag is held
-        self.reachable = True
-        self.last_read = time.monotonic()
 
     async def step(self) -> None:
-        gauge, name = self.gauge, self.provider.name
-        try:
-            timeout = aiohttp.ClientTimeout(total=gauge.timeout_seconds)
-            async with self.monitor._http.get(self.url, timeout=timeout, allow_redirects=False) as response:
-                response.raise_for_status()
-                text = await response.text()
-            values = signal_values(text, self.metrics, gauge.label(), self.upstream_names)
-            self.reachable, self.last_read = True, time.monotonic()
-        except (asyncio.TimeoutError, aiohttp.ClientError, ValueError) as exc:
-            if self.reachable:
-                log.warning("load of %s endpoint %s not read from %s: %s", name, self.endpoint, self.shown, type(exc).__name__)
-            self.reachable = False
-            stale_for = time.monotonic() - self.last_read
-            if self.stale_after is not None and stale_for > self.stale_after:
-                reason = f"load: no reading of {self.shown} for {stale_for:.0f} s (stale after {self.stale_after:g} s)"
+        values = await self.reader.read(f"{self.provider.name} endpoint {self.endpoint}")
+        if values is None:
+            if reason := self.reader.stale_reason():
                 await self._write(lambda model: self._set(model, reason))
             return
         await self._write(lambda model: self._apply(model, {metric: values[metric][model] for metric in self.metrics}))
