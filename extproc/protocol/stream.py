@@ -398,8 +398,9 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
             unreachable = msg.upstream_unreachable(request)
             if unreachable is not None:
                 extra["retry-after"] = str(self.config.server.retry_after_seconds)
+            endpoint = await self._follow_picked_endpoint(stream, request, unreachable)
+            decision = stream.decision  # its lease names the endpoint that answered
             if self.observer is not None:
-                endpoint = await self._observe_picked_endpoint(decision, stream.model, request, unreachable)
                 if unreachable is not None:
                     await self.observer.connection_failed(decision.provider, stream.model, unreachable, endpoint)
                 elif 200 <= stream.status < 300:
@@ -420,21 +421,28 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
                 self._spawn_chain_task(refresh_looked_up(self.chains, stream.lookup, None))
         return msg.continue_response_headers(extra or None, read_body, remove)
 
-    async def _observe_picked_endpoint(
-        self, decision: Decision, model: str, request: ProcessingRequest, unreachable: str | None
-    ) -> str | None:
+    async def _follow_picked_endpoint(self, stream: StreamState, request: ProcessingRequest, unreachable: str | None) -> str | None:
         """Affinity pick: the endpoint (`ip:port`) that answered or failed, Envoy's
         `upstream.address`, else the one picked; None on any other pair. When Envoy answered
         from another endpoint than the one picked, the picked one failed before anything was
         sent (the route retries only then, or override_host found it unusable): it is reported as
-        a connection failure of that endpoint, which takes it out (extproc.operations.health)."""
+        a connection failure of that endpoint, which takes it out (extproc.operations.health),
+        and, when that endpoint answered (not Envoy itself), the lease counts there from now on
+        (LeaseTable.answered_by: one more Redis call on this path only; `stream.decision` then
+        names it, for the chain record and `x-iris-endpoint`)."""
+        decision = stream.decision
         picked = decision.lease.endpoint if decision.lease is not None else None
         if picked is None:
             return None
         answered_by = msg.upstream_address(request) or picked
-        if answered_by != picked:
+        if answered_by == picked:
+            return answered_by
+        if unreachable is None and stream.held is not None:
+            await in_own_task(self.leases.answered_by(stream.held, answered_by))
+            stream.decision = stream.held.decision
+        if self.observer is not None:
             what = f"{picked} failed before the response headers; {answered_by} answered " + (unreachable or "")
-            await self.observer.connection_failed(decision.provider, model, what.strip(), picked)
+            await self.observer.connection_failed(decision.provider, stream.model, what.strip(), picked)
         return answered_by
 
     def _body_readers(self, stream: StreamState, request: ProcessingRequest) -> tuple[str | None, list[str] | None]:

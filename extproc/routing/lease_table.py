@@ -10,7 +10,9 @@ the table renews the lease every `lease_timeout_seconds / 3` (between a sixth an
 in one sweep per table that renews every lease due in one script call per model), releases it
 (refreshing the pin only after a 2xx on a pinned provider, the spec's execute_with_request_lease;
 the releases of one loop turn in one script call per model), and reports it lost (`Held.lost`)
-only when Redis saw it expire. docs/routing-state.md "Renewals and releases in batches".
+only when Redis saw it expire. docs/routing-state.md "Renewals and releases in batches". On a
+pick pair, a lease whose request Envoy's retry served on another endpoint moves there
+(`answered_by`: in memory, and in Redis by lua/move_endpoint_lease.lua).
 
 What a running request is promised (docs/routing-state.md "When Redis is gone"):
 - a renewal that cannot reach Redis keeps the request running; the lease is renewed or adopted
@@ -56,6 +58,7 @@ and holds up no other. `drain` releases everything still held.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 import logging
 import math
@@ -292,6 +295,37 @@ class LeaseTable:
         """The lease timeout (seconds) of the config `held` was admitted under: its renewals
         extend it by that much, so they come every third of it, whatever a reload did since."""
         return (held.state or self.state).config.lease_timeout_seconds
+
+    # ---- serving ------------------------------------------------------------------------
+
+    async def answered_by(self, held: Held, endpoint: str) -> None:
+        """Affinity pick: `endpoint` (`ip:port`, Envoy's `upstream.address`) answered `held`'s
+        request, placed on another endpoint of the pair (the route's retry policy retried a
+        refused connection on the pick's next endpoint). The lease counts on `endpoint` from now
+        on: in memory at once (`held.decision.lease.endpoint`, which the chain record, the
+        `x-iris-endpoint` answer and an adoption read), and in Redis by one more script call
+        (lua/move_endpoint_lease.lua; renewals and the release find it there), skipped for a
+        lease Redis does not hold (local, ended) or while the model's breaker is open (the
+        recovery's adoption counts it on `endpoint`). A Redis failure is logged and counted by the
+        breaker: the lease keeps counting on the endpoint it was placed on until it ends. Never
+        raises but a cancellation."""
+        lease = held.lease
+        if lease is None or lease.endpoint is None or lease.endpoint == endpoint:
+            return
+        others = tuple(e for e in lease.endpoints if e != endpoint)
+        held.decision = dataclasses.replace(held.decision, lease=dataclasses.replace(lease, endpoints=(endpoint, *others)))
+        if held.local or held.ended or self.breaker.open_for(lease.model):
+            return
+        try:
+            await (held.state or self.state).move_endpoint_lease(lease, endpoint)
+        except REDIS_FAILURES as exc:
+            metrics.child(metrics.REDIS_ERRORS, "move_endpoint_lease").inc()
+            self.breaker.record_failure(exc, lease.model)
+            log.warning("lease %s still counts on %s, not on %s that answered (redis): %s", lease.id, lease.endpoint, endpoint, exc)
+        except Exception:  # noqa: BLE001 (a count on the wrong endpoint must not fail the answer)
+            log.exception("lease %s still counts on %s, not on %s that answered", lease.id, lease.endpoint, endpoint)
+        else:
+            self.breaker.record_success(lease.model)
 
     # ---- ending -------------------------------------------------------------------------
 

@@ -65,6 +65,7 @@ class Result(str, enum.Enum):
     RELEASED = "RELEASED"
     LEASE_EXPIRED = "LEASE_EXPIRED"
     NOT_FOUND = "NOT_FOUND"
+    MOVED = "MOVED"  # affinity pick: the lease counts on the endpoint that answered (lua/move_endpoint_lease.lua)
     # The admission queue (docs/queue.md); never answered while it is off.
     QUEUED = "QUEUED"  # the request's ticket waits in the pair's queue
     TICKET_LOST = "TICKET_LOST"  # the waiting ticket is gone (its lease ended, or Redis lost it)
@@ -162,7 +163,8 @@ class CasResult:
 @dataclass(frozen=True, slots=True)
 class LeaseUpdate:
     """The answer of a renewal or release: RENEWED / LEASE_LOST, or RELEASED / LEASE_EXPIRED /
-    NOT_FOUND; `deadline_ms` is the renewed deadline (Redis time, ms) when RENEWED."""
+    NOT_FOUND; or of an endpoint move: MOVED / NOT_FOUND. `deadline_ms` is the renewed deadline
+    (Redis time, ms) when RENEWED, the lease's unchanged one when MOVED."""
 
     result: Result
     deadline_ms: int | None
@@ -183,6 +185,7 @@ SCRIPT_NAMES = (
     "queue_leave",
     "admit_share",
     "probe",
+    "move_endpoint_lease",
 )
 
 # The scripts that take the admission queue's keys when it is on for the model (lua/queue.lua):
@@ -517,6 +520,16 @@ class RoutingState:
         reply = await self._call("adopt", lease.model, session, args, now_ms)
         return _decode(lease.model, None, reply, lease.provider)
 
+    async def move_endpoint_lease(self, lease: Lease, endpoint: str, *, now_ms: int | None = None) -> LeaseUpdate:
+        """Affinity pick: lease `lease` counts on `endpoint` (`ip:port`, the one that answered)
+        instead of `lease.endpoint` (the one placement chose), with the same deadline
+        (lua/move_endpoint_lease.lua). MOVED with the deadline (Redis time, ms) when it counts
+        there now, NOT_FOUND when nothing moved (not live on the chosen endpoint, an endpoint
+        the pair does not list, the same endpoint). Idempotent."""
+        args = [lease.provider, lease.id, lease.endpoint or "", endpoint]
+        reply = await self._call("move_endpoint_lease", lease.model, "", args, now_ms)
+        return _renewal(reply)
+
     async def renew_request_lease(self, lease: Lease, *, now_ms: int | None = None) -> LeaseUpdate:
         """Extend a live lease by the lease timeout: RENEWED, or LEASE_LOST if it had expired."""
         args = [lease.provider, lease.id, lease.pin_id or ""]
@@ -779,7 +792,7 @@ def _limit(value: int | None) -> int:
 
 
 def _renewal(reply: list) -> LeaseUpdate:
-    """A renew.lua answer for one lease."""
+    """A renew.lua (or move_endpoint_lease.lua) answer for one lease."""
     return LeaseUpdate(Result(_text(reply[0])), _int_or_none(reply[7]), int(reply[1]))
 
 

@@ -3,7 +3,9 @@
 replica is killed while sessions run their turns over two gateway instances. Envoy's route retries
 the refused connection on the pick's next endpoint and tells the server which host answered
 (`upstream.address`); the server takes the dead endpoint out in Redis, so every proxy's next
-placement avoids it: its sessions move (their pins' endpoint changes) and only they do."""
+placement avoids it: its sessions move (their pins' endpoint changes) and only they do. A request
+Envoy retried on another endpoint counts there while it runs, and its stored response is found
+there by id."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import concurrent.futures
 import threading
 
 import httpx
+import orjson
 import pytest
 import redis
 
@@ -32,8 +35,8 @@ def health_config() -> dict:
         "degradation": {"connect": {"ttl_seconds": 120}},
         "providers": [
             {"name": "iris-1", "kind": "managed", "cluster": "iris-1", "affinity": "pick", "endpoints": ["http://127.0.0.1:1"],
-             "models": {MODEL: {"features": ["chat"], "limits": limits}}},
-            {"name": "tensorx", "kind": "unlimited", "cluster": "tensorx", "models": {MODEL: {"features": ["chat"]}}},
+             "models": {MODEL: {"features": ["chat", "responses"], "limits": limits}}},
+            {"name": "tensorx", "kind": "unlimited", "cluster": "tensorx", "models": {MODEL: {"features": ["chat", "responses"]}}},
         ],
     }
 
@@ -122,5 +125,50 @@ def test_a_killed_replica_moves_only_its_sessions(pool):
             return store.zcount(f"{{health:m}}:endpoint-leases:iris-1:{endpoint}", f"({now_ms}", "+inf")
 
         assert wait_until(lambda: sum(running_on(e) for e in names.values()) == 0, within_seconds=10)
+    finally:
+        store.close()
+
+
+CHAIN_USER = {"authorization": "Bearer chain-user"}
+
+
+def running_on(store: redis.Redis, endpoint: str) -> int:
+    """Live leases Redis counts on `endpoint` (`ip:port`) of iris-1."""
+    now_ms = store.time()[0] * 1000
+    return store.zcount(f"{{health:m}}:endpoint-leases:iris-1:{endpoint}", f"({now_ms}", "+inf")
+
+
+@pytest.mark.slow
+def test_a_request_retried_on_another_replica_counts_and_is_stored_there(pool):
+    """The session's replica is killed; its next turn (a slow streamed Responses request) is still
+    picked there (nothing has failed yet), Envoy's retry serves it on the pick's next endpoint,
+    and from the response headers on the lease counts on the endpoint that answered, not on the
+    picked one (issue 30's closing note); `x-iris-endpoint` and the chain record name the
+    endpoint that answered, so the response is found there by id. Once it ends no lease is
+    live."""
+    names = endpoints(pool)
+    url = pool.running[0].url
+    store = redis.Redis.from_url(pool.redis_url)
+    with httpx.Client(timeout=30) as client:
+        first = client.post(f"{url}/v1/responses", json={"model": MODEL, "input": "hello " * 20, "max_output_tokens": 4},
+                            headers={"x-session-id": "retried", **CHAIN_USER})
+        assert first.status_code == 200, first.text
+        dead = first.headers["x-iris-endpoint"]
+        next(p for p in pool.pools["iris-1"] if f"127.0.0.1:{p.port}" == dead).kill()
+        body = {"model": MODEL, "input": "hello " * 20 + "again", "max_output_tokens": 300, "stream": True}  # 5 ms a token: 1.5 s
+        with client.stream("POST", f"{url}/v1/responses", json=body, headers={"x-session-id": "retried", **CHAIN_USER}) as streamed:
+            assert streamed.status_code == 200
+            served = names[streamed.headers["x-simulator-name"]]
+            assert served != dead
+            assert streamed.headers["x-iris-endpoint"] == served, "x-iris-endpoint names the endpoint that answered"
+            assert (running_on(store, served), running_on(store, dead)) == (1, 0), "the lease counts where it runs"
+            events = [orjson.loads(line[6:]) for line in streamed.iter_lines() if line.startswith("data: {")]
+        response_id = events[0]["response"]["id"]
+        assert events[-1]["type"] == "response.completed"
+        found = client.get(f"{url}/v1/responses/{response_id}", headers=CHAIN_USER)
+        assert found.status_code == 200, found.text
+        assert names[found.headers["x-simulator-name"]] == served
+    try:
+        assert wait_until(lambda: sum(running_on(store, e) for e in names.values()) == 0, within_seconds=10)
     finally:
         store.close()

@@ -3,15 +3,21 @@ counts, replica pins and placement, against a real Redis, with explicit times (m
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
 
 from extproc.config import RedisSettings, parse_config
+from extproc.routing.degraded import DegradedFlags
+from extproc.routing.lease_table import LeaseTable
+from extproc.routing.outage import InstanceRegistry, OutagePolicy, RedisBreaker
 from extproc.routing.placement import deciding_with, prompt_blocks
+from extproc.routing.router import Router, RoutingRequest
 from extproc.routing.state import Result, RoutingState
-from extproc.storage.client import open_redis
+from extproc.storage.client import connect, open_redis
 from extproc.storage.pipelined import open_pipelined
+from irislab.processes import free_port
 from irislab.redis_topologies import LocalCluster
 from tests.support.configs import small_config_data
 
@@ -166,6 +172,81 @@ async def test_a_replayed_admission_answers_its_endpoint(proxies):
     first = await state.try_admit_request_without_pin("iris-1", "m", lease_id="a" * 32, now_ms=T0)
     again = await proxies[1].try_admit_request_without_pin("iris-1", "m", lease_id="a" * 32, now_ms=T0 + 1)
     assert again.lease.endpoint == first.lease.endpoint
+
+
+async def test_a_lease_answered_by_another_endpoint_counts_there(proxies, redis_client):
+    """lua/move_endpoint_lease.lua (Envoy retried the pick on its next endpoint): the lease leaves
+    the picked endpoint and counts on the one that answered with the same deadline and a TTL on
+    its key; again, from any proxy, changes nothing; an endpoint the pair does not list, on
+    either side, moves nothing. Renewals then move its deadline there, the release ends it
+    there, and a released or expired lease never moves."""
+    state = proxies[0]
+    lease = (await state.try_admit_unpinned_session_request("iris-1", "m", "s", now_ms=T0)).lease
+    picked = lease.endpoint
+    answered = next(e for e in ENDPOINTS if e != picked)
+    on = [int(e == answered) for e in ENDPOINTS]
+
+    def key(endpoint: str) -> str:
+        return state.keys.endpoint_leases("m", "iris-1", endpoint)
+
+    assert (await state.move_endpoint_lease(lease, "127.0.0.1:9999", now_ms=T0 + 1)).result is Result.NOT_FOUND
+    unlisted = dataclasses.replace(lease, endpoints=("127.0.0.1:9999",))
+    assert (await state.move_endpoint_lease(unlisted, answered, now_ms=T0 + 1)).result is Result.NOT_FOUND
+    assert not await redis_client.exists(key("127.0.0.1:9999"))
+    assert await counts(redis_client, state, T0 + 1) == [int(e == picked) for e in ENDPOINTS]
+    moved = await proxies[1].move_endpoint_lease(lease, answered, now_ms=T0 + 1)
+    assert (moved.result, moved.deadline_ms) == (Result.MOVED, lease.deadline_ms)
+    assert await redis_client.zscore(key(answered), lease.id) == lease.deadline_ms
+    assert await counts(redis_client, state, T0 + 1) == on
+    assert await redis_client.pttl(key(answered)) > LEASE_MS
+    again = await proxies[2].move_endpoint_lease(lease, answered, now_ms=T0 + 2)
+    assert (again.result, again.deadline_ms) == (Result.MOVED, lease.deadline_ms), "idempotent"
+    back = dataclasses.replace(lease, endpoints=(answered,))
+    assert (await state.move_endpoint_lease(back, answered, now_ms=T0 + 3)).result is Result.NOT_FOUND, "the same endpoint"
+    assert await counts(redis_client, state, T0 + 3) == on
+    renewed = await state.renew_request_lease(lease, now_ms=T0 + LEASE_MS // 2)
+    assert await redis_client.zscore(key(answered), lease.id) == renewed.deadline_ms > lease.deadline_ms
+    assert await counts(redis_client, state, renewed.deadline_ms - 1) == on
+    assert (await state.release_request_lease(lease, refresh_pin=True, now_ms=T0 + LEASE_MS)).result is Result.RELEASED
+    assert await counts(redis_client, state, T0 + LEASE_MS) == [0, 0, 0]
+    assert (await state.move_endpoint_lease(lease, answered, now_ms=T0 + LEASE_MS)).result is Result.NOT_FOUND
+    expired = (await state.try_admit_request_without_pin("iris-1", "m", now_ms=T0)).lease
+    elsewhere = next(e for e in ENDPOINTS if e != expired.endpoint)
+    assert (await state.move_endpoint_lease(expired, elsewhere, now_ms=expired.deadline_ms)).result is Result.NOT_FOUND
+    assert await redis_client.zscore(key(elsewhere), expired.id) is None
+
+
+async def test_the_lease_table_moves_a_lease_to_the_endpoint_that_answered(redis_client, redis_url):
+    """LeaseTable.answered_by: the held lease names the endpoint that answered first (its chain
+    record, `x-iris-endpoint` and an adoption read it) and Redis counts it there; a Redis that
+    fails the move is logged and counted by the breaker, never raised; the release ends it."""
+    config = pick_config(redis_url)
+    state = RoutingState(redis_client, config)
+    router = Router(config, state, DegradedFlags(redis_client, config))
+    breaker = RedisBreaker(redis_client, 3)
+    table = LeaseTable(config, state, router, OutagePolicy(config, router, InstanceRegistry(redis_client, "iris")), breaker)
+    table.start()
+    dead = connect(f"redis://127.0.0.1:{free_port()}/0", timeout_seconds=0.2)
+    try:
+        held, failing = [await table.decide(RoutingRequest("m", "chat", frozenset(), f"s{i}")) for i in range(2)]
+        picked = held.lease.endpoint
+        answered = next(e for e in ENDPOINTS if e != picked)
+        await table.answered_by(held, answered)
+        assert held.lease.endpoint == answered and picked in held.lease.endpoints[1:]
+        now = (await redis_client.time())[0] * 1000
+        failing_on = [int(e == failing.lease.endpoint) for e in ENDPOINTS]
+        assert await counts(redis_client, state, now) == [a + b for a, b in zip([int(e == answered) for e in ENDPOINTS], failing_on)]
+        failing.state = RoutingState(dead, config)
+        elsewhere = next(e for e in ENDPOINTS if e != failing.lease.endpoint)
+        await table.answered_by(failing, elsewhere)  # logged, not raised
+        assert failing.lease.endpoint == elsewhere, "in memory, the lease runs where it was answered"
+        table.end(held, succeeded=True)
+        failing.state = state
+        table.end(failing, succeeded=True)
+        await table.drain()
+        assert await counts(redis_client, state, now) == [0, 0, 0]
+    finally:
+        await dead.aclose()
 
 
 async def test_sessionless_requests_go_to_the_least_loaded_endpoint(proxies, redis_client):

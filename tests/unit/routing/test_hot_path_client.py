@@ -41,6 +41,7 @@ async def every_call(state: RoutingState) -> list[object]:
     out.append(await state.renew_request_lease(first.lease, now_ms=T0 + 7))
     out.append(await state.release_request_lease(first.lease, refresh_pin=True, now_ms=T0 + 8))
     out.append(await state.adopt_request_lease(first.lease, now_ms=T0 + 9))
+    out.append(await state.move_endpoint_lease(first.lease, "127.0.0.1:1", now_ms=T0 + 9))
     out.append(await state.abandon_request("m", "s2", "L2", "P2", now_ms=T0 + 10))
     out.append(await state.probe("m"))
     out.append(await state.leave_queue("m", wait, now_ms=T0 + 11))
@@ -50,7 +51,7 @@ async def every_call(state: RoutingState) -> list[object]:
 def test_every_script_is_called():
     """every_call covers every script of the state (a new script must be added there)."""
     called = {"get_pin", "get_pin_and_admit", "admit_unpinned", "admit_pinned", "cas_repin", "admit_without_pin", "admit_share",
-              "renew", "release", "adopt", "abandon", "queue_leave", "probe"}
+              "renew", "release", "adopt", "abandon", "queue_leave", "probe", "move_endpoint_lease"}
     assert called == set(SCRIPT_NAMES)
 
 
