@@ -21,10 +21,11 @@ import redis
 from irislab.engines import MODEL_NAME, LlamaServer
 from irislab.local_gateway import LocalGateway, ProviderSimulation
 from tests.gateway.test_real_engines import PARALLEL, client, served_by, started_engines, system_prompt
-from tests.support.gateway import wait_for_no_leases, wait_until
+from tests.support.gateway import live_leases, wait_for_no_leases, wait_until
 
 ENGINES = 3
 PREFIX = "realpool"
+ENDPOINT_LEASES = f"{{{PREFIX}:{MODEL_NAME}}}:endpoint-leases:iris-1:"  # + ip:port: the zset of the endpoint's leases
 
 
 def pool_config(urls: list[str]) -> dict:
@@ -64,7 +65,7 @@ def store(gateway):
     client = redis.Redis.from_url(gateway.redis_url)
     yield client
     try:
-        assert wait_for_no_leases(client, within_seconds=10, keys=f"{{{PREFIX}:{MODEL_NAME}}}:endpoint-leases:*") == 0
+        assert wait_for_no_leases(client, within_seconds=10, keys=f"{ENDPOINT_LEASES}*") == 0
         assert wait_for_no_leases(client, within_seconds=10) == 0
     finally:
         client.close()
@@ -82,16 +83,16 @@ def messages(prefix_owner: str, question: str, facts: int = 8) -> list[dict[str,
     return [{"role": "system", "content": system_prompt(prefix_owner, facts)}, {"role": "user", "content": question}]
 
 
-def ask(gateway: LocalGateway, engines: list[LlamaServer], chat: list[dict[str, str]], session: str | None):
-    """One chat turn through the gateway, non-streamed: (the raw answer, the index of the engine
-    whose prompt counter moved)."""
+def turn(gateway: LocalGateway, chat: list[dict[str, str]], session: str | None):
+    """One chat turn through the gateway, non-streamed, 4 tokens at most: the raw answer."""
     headers = {"x-session-id": session} if session else {}
+    return client(gateway).chat.completions.with_raw_response.create(model=MODEL_NAME, messages=chat, max_tokens=4, extra_headers=headers)
 
-    def send():
-        return client(gateway).chat.completions.with_raw_response.create(model=MODEL_NAME, messages=chat, max_tokens=4,
-                                                                       extra_headers=headers)
 
-    return served_by(engines, send)
+def ask(gateway: LocalGateway, engines: list[LlamaServer], chat: list[dict[str, str]], session: str | None):
+    """One turn (`turn`), alone on `engines`: (the raw answer, the index of the engine whose
+    prompt counter moved)."""
+    return served_by(engines, lambda: turn(gateway, chat, session))
 
 
 @contextlib.contextmanager
@@ -147,11 +148,12 @@ def test_an_endpoint_at_its_cap_is_skipped(gateway, engines, store):
             picked = stack.enter_context(held(gateway, messages("group-c", f"I am {user}. Tell a long story."), user))
             assert picked == endpoint(engines[home]), "a pinned turn goes to its endpoint while it is under its cap"
         assert wait_until(lambda: engines[home].metrics()["llamacpp:requests_processing"] == PARALLEL, within_seconds=10)
+        assert live_leases(store, ENDPOINT_LEASES + endpoint(engines[home])) == PARALLEL
         for user in (users[-1], "group-c-late"):
             answer, engine = ask(gateway, engines, messages("group-c", f"I am {user}. What is fact 1?"), user)
             assert engine is not None and engine != home, f"{user}: the engine at its cap was skipped"
             assert answer.headers["x-iris-endpoint"] == endpoint(engines[engine])
-    assert wait_for_no_leases(store, within_seconds=10, keys=f"{{{PREFIX}:{MODEL_NAME}}}:endpoint-leases:iris-1:{endpoint(engines[home])}") == 0
+    assert wait_for_no_leases(store, within_seconds=10, keys=ENDPOINT_LEASES + endpoint(engines[home])) == 0
     assert wait_until(lambda: engines[home].metrics()["llamacpp:requests_processing"] == 0, within_seconds=10), "the engine stopped the streams"
 
 
@@ -162,6 +164,7 @@ def test_sessionless_requests_go_to_the_least_loaded_engine(gateway, engines, st
         busy = {stack.enter_context(held(gateway, messages(f"busy-{n}", "Tell a long story.", facts=1), f"busy-{n}")) for n in range(2)}
         assert len(busy) == 2, "the second new session went to an engine without a request"
         idle = next(i for i, server in enumerate(engines) if endpoint(server) not in busy)
+        assert [live_leases(store, ENDPOINT_LEASES + endpoint(server)) for server in engines] == [int(i != idle) for i in range(ENGINES)]
         for number in range(3):
             answer, engine = ask(gateway, engines, messages(f"sessionless-{number}", "Say hello.", facts=1), None)
             assert answer.headers["x-iris-endpoint"] == endpoint(engines[idle]) and engine == idle, number
@@ -176,7 +179,7 @@ def test_a_killed_engine_moves_only_its_sessions(gateway, engines, store):
     sessions = [f"kill-{n}" for n in range(6)]
     chats = {s: messages(s, "What is fact 1?", facts=2) for s in sessions}
     with concurrent.futures.ThreadPoolExecutor(len(sessions)) as workers:
-        firsts = dict(zip(sessions, workers.map(lambda s: first_turn(gateway, chats[s], s), sessions)))
+        firsts = dict(zip(sessions, workers.map(lambda s: turn(gateway, chats[s], s), sessions)))
     home = {s: answer.headers["x-iris-endpoint"] for s, answer in firsts.items()}
     assert set(home.values()) == {endpoint(server) for server in engines}, home  # two each unless a turn ended early
     victim = engines[0]
@@ -196,8 +199,3 @@ def test_a_killed_engine_moves_only_its_sessions(gateway, engines, store):
             assert cached_tokens(answer) > answer.parse().usage.prompt_tokens // 2
     flags = store.hgetall(f"{{{PREFIX}:{MODEL_NAME}}}:endpoint-health:iris-1")
     assert any(field.decode().startswith(f"{endpoint(victim)} connect") for field in flags), flags
-
-
-def first_turn(gateway: LocalGateway, chat: list[dict[str, str]], session: str):
-    return client(gateway).chat.completions.with_raw_response.create(model=MODEL_NAME, messages=chat, max_tokens=4,
-                                                                   extra_headers={"x-session-id": session})
