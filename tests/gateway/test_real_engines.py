@@ -9,6 +9,9 @@ sent one at a time."""
 
 from __future__ import annotations
 
+import contextlib
+from pathlib import Path
+
 import httpx
 import openai
 import pytest
@@ -38,10 +41,10 @@ def engines_config() -> dict:
     }
 
 
-@pytest.fixture(scope="module")
-def engines(tmp_path_factory):
-    logs = tmp_path_factory.mktemp("engines")
-    servers = [LlamaServer(logs, parallel=PARALLEL, name=f"llama-{i}") for i in range(3)]
+@contextlib.contextmanager
+def started_engines(logs: Path, count: int = 3):
+    """`count` llama-servers of PARALLEL slots, logging into `logs`, each stopped on leaving."""
+    servers = [LlamaServer(logs, parallel=PARALLEL, name=f"llama-{i}") for i in range(count)]
     try:
         for server in servers:
             server.start()
@@ -49,6 +52,12 @@ def engines(tmp_path_factory):
     finally:
         for server in servers:
             server.stop()
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    with started_engines(tmp_path_factory.mktemp("engines")) as servers:
+        yield servers
 
 
 @pytest.fixture(scope="module")
@@ -64,9 +73,10 @@ def client(gateway: LocalGateway, key: str = "user-key") -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=key, max_retries=0, timeout=120)
 
 
-def system_prompt(session: str) -> str:
-    """A long opening, different from its first words on, so no other session shares its prefix."""
-    facts = " ".join(f"Fact {i} of {session}: the number {i} is written {i * 7 % 97}." for i in range(40))
+def system_prompt(session: str, facts: int = 40) -> str:
+    """A long opening (about 20 tokens a fact, 800 with 40), different from its first words on, so
+    no other session shares its prefix."""
+    facts = " ".join(f"Fact {i} of {session}: the number {i} is written {i * 7 % 97}." for i in range(facts))
     return f"You are the assistant of {session}. Answer in one short sentence. {facts}"
 
 

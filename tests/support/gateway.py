@@ -71,18 +71,21 @@ def clear_routing_state(client: redis.Redis) -> None:
         client.delete(*doomed)
 
 
-def live_leases(client: redis.Redis) -> int:
-    """Live request leases over every provider and model (test-only: uses KEYS)."""
+def live_leases(client: redis.Redis, keys: str = "*:leases:*") -> int:
+    """Live request leases over every provider and model (test-only: uses KEYS); `keys`, a KEYS
+    pattern of lease zsets, counts others (`{p:m}:endpoint-leases:*`: the leases of a pick
+    pair's endpoints)."""
     seconds, micros = client.time()
     now = seconds * 1000 + micros // 1000
-    return sum(client.zcount(key, f"({now}", "+inf") for key in client.keys("*:leases:*"))
+    return sum(client.zcount(key, f"({now}", "+inf") for key in client.keys(keys))
 
 
-def wait_for_no_leases(client: redis.Redis, within_seconds: float) -> int:
-    """Poll until no live lease is left or `within_seconds` passed; returns the last count."""
+def wait_for_no_leases(client: redis.Redis, within_seconds: float, keys: str = "*:leases:*") -> int:
+    """Poll until no live lease is left in the zsets `keys` matches (live_leases) or
+    `within_seconds` passed; returns the last count."""
     deadline = time.monotonic() + within_seconds
     while True:
-        count = live_leases(client)
+        count = live_leases(client, keys)
         if count == 0 or time.monotonic() > deadline:
             return count
         time.sleep(0.02)
