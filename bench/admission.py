@@ -3,7 +3,7 @@
 pre-loaded to 1k and to 100k live pins.
 
     python -m bench.admission [--pins 1000 100000] [--decisions 20000] [--concurrency 64]
-                              [--wait-replicas 1 [--wait-timeout-ms 50]] [--pick 3]
+                              [--wait-replicas 1 [--wait-timeout-ms 50]] [--pick 3 [--engine-readings]]
 
 Each decision is a pinned session's request (the common path: one fused script call) followed
 by its release, so every decision costs two round trips. Redis is started here without
@@ -14,6 +14,8 @@ measure what it costs. With `--pick N` iris-1 has affinity pick over N endpoints
 admission also places the request (its session's endpoint, the fallbacks scored by prefix
 overlap and load) and teaches the endpoint's prefix index the prompt's blocks (one of 64 shared
 prefixes of 4 KiB: 16 blocks), to compare redis-server CPU per decision with and without it.
+`--engine-readings` (with `--pick`) records an engine reading for every endpoint first (as the
+`load` gauge of a pick provider does), so each placement also parses them.
 Latencies are per decision (admission only, the release not included).
 """
 
@@ -30,6 +32,7 @@ from bench.common import cpu_seconds, load_average, summarize_ms
 from extproc import metrics
 from extproc.config import parse_config
 from extproc.routing.degraded import DegradedFlags
+from extproc.routing.endpoint_health import EndpointHealth
 from extproc.routing.placement import deciding_with, prompt_blocks
 from extproc.routing.router import Decision, Router, RoutingRequest
 from extproc.routing.state import RoutingState, connect
@@ -79,7 +82,7 @@ async def script_stats(redis) -> dict[str, tuple[int, float]]:
 
 async def run(
     redis_url: str, pins: int, decisions: int, concurrency: int, wait_replicas: int = 0, wait_timeout_ms: int = 50,
-    redis_pid: int | None = None, pick: int = 0,
+    redis_pid: int | None = None, pick: int = 0, engine_readings: bool = False,
 ) -> None:
     """One run; with `redis_pid`, the redis-server's CPU time per decision is reported too: the
     shard's ceiling is one core's worth of them (Redis runs scripts on one thread)."""
@@ -91,6 +94,9 @@ async def run(
     state = RoutingState(redis, config)
     router = Router(config, state, DegradedFlags(redis, config))
     await preload(state, pins)
+    if pick and engine_readings:
+        readings = {endpoint: float(i) for i, endpoint in enumerate(state.endpoints("iris-1"))}
+        await EndpointHealth(redis, config.redis.key_prefix).write_readings("iris-1", MODEL, readings, 3600)
     await redis.config_resetstat()
     rng = random.Random(1)
     queue = [f"s{rng.randrange(pins)}" for _ in range(decisions)]
@@ -115,6 +121,7 @@ async def run(
     calls, usec = (await script_stats(redis))["evalsha"]
     latency = summarize_ms(latencies_ms)
     waits = (f", WAIT {wait_replicas} {wait_timeout_ms}" if wait_replicas else "") + (f", pick over {pick} endpoints" if pick else "")
+    waits += " with engine readings" if pick and engine_readings else ""
     not_replicated = metrics.ADMISSIONS_NOT_REPLICATED._value.get() - not_replicated_before
     print(
         f"pins {pins:>7}{waits}: {decisions / elapsed:8.0f} decisions/s (each with its release), "
@@ -136,6 +143,7 @@ def main() -> None:
     parser.add_argument("--wait-replicas", type=int, default=0, help="start this many replicas and WAIT for them on admissions")
     parser.add_argument("--wait-timeout-ms", type=int, default=50)
     parser.add_argument("--pick", type=int, default=0, help="iris-1 with affinity pick over this many endpoints")
+    parser.add_argument("--engine-readings", action="store_true", help="with --pick: an engine reading recorded for every endpoint")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="iris-bench-"))
     redis_process = start_redis(work)
@@ -143,7 +151,7 @@ def main() -> None:
     try:
         for pins in args.pins:
             asyncio.run(run(f"redis://127.0.0.1:{redis_process.port}/0", pins, args.decisions, args.concurrency,
-                            args.wait_replicas, args.wait_timeout_ms, redis_process.pid, args.pick))
+                            args.wait_replicas, args.wait_timeout_ms, redis_process.pid, args.pick, args.engine_readings))
     finally:
         for replica in replicas:
             replica.stop()
