@@ -187,6 +187,13 @@ def cpu_seconds(pid: int) -> float:
     return stat_cpu_seconds(Path(f"/proc/{pid}/stat"))
 
 
+def machine_busy_seconds() -> float:
+    """CPU time (s) every core of this machine spent not idle since boot (/proc/stat's `cpu`
+    line: all but idle and iowait)."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
 def stat_cpu_seconds(stat: Path) -> float:
     """User + system CPU time (s) in a /proc stat file (a process's, or a thread's
     /proc/<pid>/task/<tid>/stat)."""

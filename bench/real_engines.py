@@ -38,7 +38,10 @@ p50/p90/p99 (ms, first chunk with content); the engines' cached share (their own
 over the oracle's; the peak concurrency per engine (sampled every 50 ms from `requests_processing
 + requests_deferred`) against `--parallel`; how sessions and groups spread over the engines
 (bench.engine_tap notes which engine carried each request; "generations carried" counts
-what the engines received, a router's retries included, against the requests the pool served).
+what the engines received, a router's retries included, against the requests the pool served);
+where the machine's CPU went during the run, in cores: the engines' processes, and the rest (the
+front end, the clients, the relays; without accelerators what a front end spends is taken from
+the engines).
 
 The oracle (`oracle_share`): the cached share if every request met the longest prefix already
 cached anywhere in the pool, an unbounded cache that sees every earlier request. Each message is
@@ -70,7 +73,9 @@ import httpx
 
 from bench import engine_tap, peers
 from bench.common import (
+    cpu_seconds,
     default_trace_path,
+    machine_busy_seconds,
     machine_description,
     plain_envoy_bootstrap,
     pool_cluster,
@@ -548,10 +553,12 @@ def run_front(front: str, sessions: list[list[Turn]], args: argparse.Namespace, 
         taps, urls, tap_log = start_taps(engines, work)
         url, stop_front = start_front(front, urls, work, args)
         sampler = Sampler(engines)
+        cpu = CpuSplit(engines)
         if args.client == "aiperf":
             summary, sent, wall = run_aiperf(args, url, work / "aiperf")
         else:
             results, wall = drive(url, sessions, args.clients, args.max_tokens)
+        cores = cpu.stop()
         peaks = sampler.stop()
         counters = [engine.metrics() for engine in engines]
     finally:
@@ -562,8 +569,27 @@ def run_front(front: str, sessions: list[list[Turn]], args: argparse.Namespace, 
         for engine in engines:
             engine.stop()
     if args.client == "aiperf":
-        return aiperf_figures(front, summary, sent, wall, peaks, counters, args)
-    return figures(front, results, wall, peaks, counters, spread(engine_tap.read_log(tap_log), sessions), args)
+        return aiperf_figures(front, summary, sent, wall, peaks, counters, args) | cores
+    return figures(front, results, wall, peaks, counters, spread(engine_tap.read_log(tap_log), sessions), args) | cores
+
+
+class CpuSplit:
+    """Where the machine's CPU went while the workload ran: the engines' processes, and the rest
+    (the front end, the clients, the relays: on a machine without accelerators, what a front
+    end spends is taken from the engines). In cores (CPU seconds per second of the run)."""
+
+    def __init__(self, engines: list[LlamaServer]):
+        self.pids = [engine.process.pid for engine in engines]
+        self.started = time.monotonic()
+        self.engines_before = sum(cpu_seconds(pid) for pid in self.pids)
+        self.busy_before = machine_busy_seconds()
+
+    def stop(self) -> dict[str, float]:
+        """{"engines_cpu_cores", "other_cpu_cores"} since construction."""
+        wall = time.monotonic() - self.started
+        engines = sum(cpu_seconds(pid) for pid in self.pids) - self.engines_before
+        busy = machine_busy_seconds() - self.busy_before
+        return {"engines_cpu_cores": engines / wall, "other_cpu_cores": max(0.0, busy - engines) / wall}
 
 
 def figures(front: str, results: list[Result], wall: float, peaks: list[float], counters: list[dict[str, float]],
@@ -611,11 +637,12 @@ def report(runs: list[dict[str, Any]], skipped: dict[str, str], oracle: dict[str
             " / ".join(f"{peak:g}" for peak in run["peak_concurrency_per_engine"]) + f" (of {run['parallel']})",
             f"{where['engines_per_group_mean']:.2f}" if not math.isnan(where["engines_per_group_mean"]) else "-",
             f"{where['sessions_moved']} of {where['sessions_seen']}", sum(where["requests_per_engine"].values()),
+            f"{run['engines_cpu_cores']:.2f} / {run['other_cpu_cores']:.2f}",
         ])
     print_table(f"Real engines, workload {workload}: one pool of llama-server, oracle {100 * oracle['share']:.1f} %",
                 ["front end", "requests", "errors", "to third party", "req/s (home)", "output tok/s (home)",
                  "TTFT p50 / p90 / p99 ms (home)", "engine cache share", "of oracle", "peak per engine",
-                 "engines per group", "sessions moved", "generations carried"], rows)
+                 "engines per group", "sessions moved", "generations carried", "CPU cores: engines / rest"], rows)
     for run in runs:
         if run["spread"]["other_calls_with_prompt"]:
             print(f"{run['front']}: the router's own calls that carried a prompt, by path: {run['spread']['other_calls_with_prompt']}")
@@ -633,6 +660,8 @@ def report(runs: list[dict[str, Any]], skipped: dict[str, str], oracle: dict[str
         print_figure(f"peak_per_engine:{front}", max(run["peak_concurrency_per_engine"]))
         print_figure(f"sessions_moved:{front}", run["spread"]["sessions_moved"])
         print_figure(f"engines_per_group:{front}", run["spread"]["engines_per_group_mean"])
+        print_figure(f"engines_cpu_cores:{front}", run["engines_cpu_cores"])
+        print_figure(f"other_cpu_cores:{front}", run["other_cpu_cores"])
     for front, why in skipped.items():
         print(f"skipped {front}: {why}")
 

@@ -215,7 +215,7 @@ def test_a_peer_that_is_not_installed_is_reported_not_started():
 
 REAL_ENGINE_FIGURES = ("ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "errors", "third_party_share", "engine_cache_share",
                        "engine_cache_share_of_oracle", "requests_per_second", "output_tokens_per_second", "peak_per_engine",
-                       "sessions_moved", "engines_per_group")
+                       "sessions_moved", "engines_per_group", "engines_cpu_cores", "other_cpu_cores")
 
 
 def needs_llama_server():
