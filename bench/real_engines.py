@@ -35,7 +35,9 @@ Printed per front end: requests, errors, the share sent to the third party, and 
 the pool served (home): requests/s and output tokens/s (per second of the run's wall time), TTFT
 p50/p90/p99 (ms, first chunk with content); the engines' cached share (their own counters,
 `llamacpp:prompt_tokens_cached_total` over it plus `llamacpp:prompt_tokens_total`) and that share
-over the oracle's; the peak concurrency per engine (sampled every 50 ms from `requests_processing
+over the oracle's; cold prompts: the requests that computed more than half of their prompt (the
+answers' `usage`), against the oracle's count (a group's users that arrive together all compute
+its prefix: only one of them is cold in the oracle); the peak concurrency per engine (sampled every 50 ms from `requests_processing
 + requests_deferred`) against `--parallel`; how sessions and groups spread over the engines
 (bench.engine_tap notes which engine carried each request; "generations carried" counts
 what the engines received, a router's retries included, against the requests the pool served);
@@ -244,20 +246,27 @@ def oracle_share(sessions: list[list[Turn]], block_chars: int | None = None) -> 
     characters, for text whose shared prefix does not end at a message's end, as aiperf's),
     keyed by the chain of blocks up to it; a block seen in any earlier request is cached.
     Order-independent (the seen blocks are closed under prefixes, so every distinct chain is
-    computed once). Returns the share and the characters in all and computed."""
+    computed once). Returns the share, the characters in all and computed, and `cold_requests`:
+    the requests that compute more than half of their prompt, taken in the sessions' order (for
+    groups, one per group: the first to carry its prefix)."""
     seen: set[bytes] = set()
-    total = computed = 0
+    total = computed = cold = 0
     for session in sessions:
         for turn in session:
             chain = hashlib.blake2b(digest_size=16)
+            request_total = request_computed = 0
             for block, size in _blocks(turn.messages, block_chars):
                 chain.update(block.encode() + b"\0")
                 key = chain.copy().digest()
-                total += size
+                request_total += size
                 if key not in seen:
                     seen.add(key)
-                    computed += size
-    return {"share": 1 - computed / total if total else 0.0, "chars": total, "computed_chars": computed}
+                    request_computed += size
+            total += request_total
+            computed += request_computed
+            cold += 2 * request_computed > request_total
+    return {"share": 1 - computed / total if total else 0.0, "chars": total, "computed_chars": computed,
+            "cold_requests": cold}
 
 
 def _blocks(messages: list[dict[str, str]], block_chars: int | None) -> list[tuple[str, int]]:
@@ -618,6 +627,7 @@ def figures(front: str, results: list[Result], wall: float, peaks: list[float], 
         "engine_cache_share": share,
         "engine_cache_share_of_oracle": share / args.oracle["share"] if args.oracle["share"] else math.nan,
         "client_cached_share": sum(r.cached for r in home) / max(1, sum(r.prompt for r in home)),
+        "cold_requests": sum(1 for r in home if r.prompt and 2 * r.cached < r.prompt),
         "peak_concurrency_per_engine": peaks,
         "parallel": args.parallel,
         "spread": spread_figures,
@@ -634,6 +644,7 @@ def report(runs: list[dict[str, Any]], skipped: dict[str, str], oracle: dict[str
             f"{run['requests_per_second']:.2f}", f"{run['output_tokens_per_second']:.1f}",
             " / ".join(f"{ttft.get(f'p{p}_ms', 0):.0f}" for p in (50, 90, 99)),
             f"{100 * run['engine_cache_share']:.1f} %", f"{100 * run['engine_cache_share_of_oracle']:.0f} %",
+            f"{run.get('cold_requests', '-')} ({oracle.get('cold_requests', '-')})",
             " / ".join(f"{peak:g}" for peak in run["peak_concurrency_per_engine"]) + f" (of {run['parallel']})",
             f"{where['engines_per_group_mean']:.2f}" if not math.isnan(where["engines_per_group_mean"]) else "-",
             f"{where['sessions_moved']} of {where['sessions_seen']}", sum(where["requests_per_engine"].values()),
@@ -641,7 +652,8 @@ def report(runs: list[dict[str, Any]], skipped: dict[str, str], oracle: dict[str
         ])
     print_table(f"Real engines, workload {workload}: one pool of llama-server, oracle {100 * oracle['share']:.1f} %",
                 ["front end", "requests", "errors", "to third party", "req/s (home)", "output tok/s (home)",
-                 "TTFT p50 / p90 / p99 ms (home)", "engine cache share", "of oracle", "peak per engine",
+                 "TTFT p50 / p90 / p99 ms (home)", "engine cache share", "of oracle", "cold prompts (oracle)",
+                 "peak per engine",
                  "engines per group", "sessions moved", "generations carried", "CPU cores: engines / rest"], rows)
     for run in runs:
         if run["spread"]["other_calls_with_prompt"]:
@@ -655,6 +667,8 @@ def report(runs: list[dict[str, Any]], skipped: dict[str, str], oracle: dict[str
         print_figure(f"third_party_share:{front}", run["third_party_share"])
         print_figure(f"engine_cache_share:{front}", run["engine_cache_share"])
         print_figure(f"engine_cache_share_of_oracle:{front}", run["engine_cache_share_of_oracle"])
+        if "cold_requests" in run:  # aiperf's answers are not read one by one
+            print_figure(f"cold_requests:{front}", run["cold_requests"])
         print_figure(f"requests_per_second:{front}", run["requests_per_second"])
         print_figure(f"output_tokens_per_second:{front}", run["output_tokens_per_second"])
         print_figure(f"peak_per_engine:{front}", max(run["peak_concurrency_per_engine"]))

@@ -214,7 +214,7 @@ def test_a_peer_that_is_not_installed_is_reported_not_started():
 
 
 REAL_ENGINE_FIGURES = ("ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "errors", "third_party_share", "engine_cache_share",
-                       "engine_cache_share_of_oracle", "requests_per_second", "output_tokens_per_second", "peak_per_engine",
+                       "engine_cache_share_of_oracle", "cold_requests", "requests_per_second", "output_tokens_per_second", "peak_per_engine",
                        "sessions_moved", "engines_per_group", "engines_cpu_cores", "other_cpu_cores")
 
 
@@ -290,6 +290,7 @@ def test_shared_prefix_groups_are_deterministic_and_interleaved():
     computed = sum(map(len, prefixes)) + sum(len(m["content"]) for s in sessions for m in s[-1].messages[1:])
     oracle = oracle_share(sessions)
     assert len(prefixes) == 3 and oracle["computed_chars"] == computed
+    assert oracle["cold_requests"] == 3  # each group's first request computes its prefix; the rest meet it
     assert oracle["chars"] == sum(len(m["content"]) for s in sessions for t in s for m in t.messages)
 
 
