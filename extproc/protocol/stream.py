@@ -81,6 +81,7 @@ class StreamState:
     session_id: str | None = None
     stores_response: bool = False  # a /v1/responses request whose answer is stored (store not false)
     chained_endpoint: tuple[str, str] | None = None  # (provider, ip:port) storing the previous response (affinity pick)
+    prompt_blocks: tuple[str, ...] = ()  # the prompt's block hashes the decision placed with (affinity pick)
     background: bool = False  # a /v1/responses request with `background: true`
     reads_response_id: bool = False  # the answer's response id is worth its cost (see _routing_request)
     model: str = ""
@@ -248,7 +249,8 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
         span = None if self.tracer is None else self.tracer.start(stream.trace_headers, parsed.feature, parsed.model)
         started = time.perf_counter()
         try:
-            with deciding_with(self._prompt_blocks(parsed, live), stream.chained_endpoint):
+            stream.prompt_blocks = self._prompt_blocks(parsed, live)
+            with deciding_with(stream.prompt_blocks, stream.chained_endpoint):
                 outcome = await self.leases.decide(routing_request, live.router, live.state)
         finally:
             decision_seconds = time.perf_counter() - started
@@ -428,8 +430,9 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
         sent (the route retries only then, or override_host found it unusable): it is reported as
         a connection failure of that endpoint, which takes it out (extproc.operations.health),
         and, when that endpoint answered (not Envoy itself), the lease counts there from now on
-        (LeaseTable.answered_by: one more Redis call on this path only; `stream.decision` then
-        names it, for the chain record and `x-iris-endpoint`)."""
+        (LeaseTable.answered_by: one more Redis call on this path only, which also teaches its
+        prefix index the prompt's blocks; `stream.decision` then names it, for the chain record
+        and `x-iris-endpoint`)."""
         decision = stream.decision
         picked = decision.lease.endpoint if decision.lease is not None else None
         if picked is None:
@@ -438,7 +441,8 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
         if answered_by == picked:
             return answered_by
         if unreachable is None and stream.held is not None:
-            await in_own_task(self.leases.answered_by(stream.held, answered_by))
+            with deciding_with(stream.prompt_blocks):  # the answering endpoint's prefix index learns them
+                await in_own_task(self.leases.answered_by(stream.held, answered_by))
             stream.decision = stream.held.decision
         if self.observer is not None:
             what = f"{picked} failed before the response headers; {answered_by} answered " + (unreachable or "")

@@ -195,8 +195,11 @@ QUEUE_SCRIPTS = frozenset(
 )
 
 
-# The scripts that place a request on an endpoint of a pick pair: they take the prompt's blocks.
-PLACING_SCRIPTS = frozenset({"get_pin_and_admit", "admit_unpinned", "admit_pinned", "cas_repin", "admit_without_pin"})
+# The scripts that place a request on an endpoint of a pick pair, or move it to another one:
+# they take the prompt's blocks (the endpoint's prefix index learns them).
+PLACING_SCRIPTS = frozenset(
+    {"get_pin_and_admit", "admit_unpinned", "admit_pinned", "cas_repin", "admit_without_pin", "move_endpoint_lease"}
+)
 
 # The scripts that may record a lease (the ones `redis.durable_admissions` waits on).
 ADMITTING_SCRIPTS = frozenset({"get_pin_and_admit", "admit_unpinned", "admit_pinned", "cas_repin", "admit_without_pin", "adopt"})
@@ -523,9 +526,11 @@ class RoutingState:
     async def move_endpoint_lease(self, lease: Lease, endpoint: str, *, now_ms: int | None = None) -> LeaseUpdate:
         """Affinity pick: lease `lease` counts on `endpoint` (`ip:port`, the one that answered)
         instead of `lease.endpoint` (the one placement chose), with the same deadline
-        (lua/move_endpoint_lease.lua). MOVED with the deadline (Redis time, ms) when it counts
-        there now, NOT_FOUND when nothing moved (not live on the chosen endpoint, an endpoint
-        the pair does not list, the same endpoint). Idempotent."""
+        (lua/move_endpoint_lease.lua); a move also teaches `endpoint`'s prefix index the prompt
+        blocks of the decision running in this context (extproc.routing.placement.deciding_with).
+        MOVED with the deadline (Redis time, ms) when it counts there now, NOT_FOUND when nothing
+        moved (not live on the chosen endpoint, an endpoint the pair does not list, the same
+        endpoint). Idempotent."""
         args = [lease.provider, lease.id, lease.endpoint or "", endpoint]
         reply = await self._call("move_endpoint_lease", lease.model, "", args, now_ms)
         return _renewal(reply)

@@ -143,25 +143,27 @@ def test_a_request_retried_on_another_replica_counts_and_is_stored_there(pool):
     """The session's replica is killed; its next turn (a slow streamed Responses request) is still
     picked there (nothing has failed yet), Envoy's retry serves it on the pick's next endpoint,
     and from the response headers on the lease counts on the endpoint that answered, not on the
-    picked one (issue 30's closing note); `x-iris-endpoint` and the chain record name the
-    endpoint that answered, so the response is found there by id. Once it ends no lease is
-    live."""
+    picked one (issue 30's closing note), and its prefix index learns the prompt;
+    `x-iris-endpoint` and the chain record name the endpoint that answered, so the response is
+    found there by id. Once it ends no lease is live."""
     names = endpoints(pool)
     url = pool.running[0].url
     store = redis.Redis.from_url(pool.redis_url)
     with httpx.Client(timeout=30) as client:
-        first = client.post(f"{url}/v1/responses", json={"model": MODEL, "input": "hello " * 20, "max_output_tokens": 4},
+        prompt = "hello " * 200  # a few blocks of the placement's prefix index
+        first = client.post(f"{url}/v1/responses", json={"model": MODEL, "input": prompt, "max_output_tokens": 4},
                             headers={"x-session-id": "retried", **CHAIN_USER})
         assert first.status_code == 200, first.text
         dead = first.headers["x-iris-endpoint"]
         next(p for p in pool.pools["iris-1"] if f"127.0.0.1:{p.port}" == dead).kill()
-        body = {"model": MODEL, "input": "hello " * 20 + "again", "max_output_tokens": 300, "stream": True}  # 5 ms a token: 1.5 s
+        body = {"model": MODEL, "input": prompt + "again", "max_output_tokens": 300, "stream": True}  # 5 ms a token: 1.5 s
         with client.stream("POST", f"{url}/v1/responses", json=body, headers={"x-session-id": "retried", **CHAIN_USER}) as streamed:
             assert streamed.status_code == 200
             served = names[streamed.headers["x-simulator-name"]]
             assert served != dead
             assert streamed.headers["x-iris-endpoint"] == served, "x-iris-endpoint names the endpoint that answered"
             assert (running_on(store, served), running_on(store, dead)) == (1, 0), "the lease counts where it runs"
+            assert store.zcard(f"{{health:m}}:endpoint-prefixes:iris-1:{served}") > 0, "the endpoint that answered learnt the prompt"
             events = [orjson.loads(line[6:]) for line in streamed.iter_lines() if line.startswith("data: {")]
         response_id = events[0]["response"]["id"]
         assert events[-1]["type"] == "response.completed"

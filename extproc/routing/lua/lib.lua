@@ -404,16 +404,9 @@ local function place(ctx, p, lease_id)
   return true
 end
 
--- The admitted lease joins its endpoint's leases (the endpoint's count), and the endpoint's
--- prefix index learns the request's blocks (LRU: scored by time, trimmed to the index size).
--- Sets ctx.endpoints (the answer's `ip:port` list, chosen first, then the next best). Returns the
--- chosen endpoint.
-local function record_placement(ctx, p, lease_id, deadline)
-  local pick = p.pick
-  local j = ctx.placed[1]
-  redis.call('ZADD', pick.leases[j], deadline, lease_id)
-  extend_ttl(pick.leases[j], ctx.lease_timeout + ctx.grace)
-  drop_expired(pick.leases[j], ctx.now - ctx.lease_timeout)
+-- Endpoint j's prefix index learns the request's blocks (ctx.blocks; LRU: scored by time,
+-- trimmed to the index size).
+local function learn_blocks(ctx, pick, j)
   local k = #ctx.blocks
   local index = pick.prefixes[j]
   -- Already known and touched within the last sixteenth of the index TTL: nothing to learn (a
@@ -435,6 +428,18 @@ local function record_placement(ctx, p, lease_id, deadline)
     end
     redis.call('PEXPIRE', index, ctx.placement.index_ttl)
   end
+end
+
+-- The admitted lease joins its endpoint's leases (the endpoint's count), and the endpoint's
+-- prefix index learns the request's blocks. Sets ctx.endpoints (the answer's `ip:port` list,
+-- chosen first, then the next best). Returns the chosen endpoint.
+local function record_placement(ctx, p, lease_id, deadline)
+  local pick = p.pick
+  local j = ctx.placed[1]
+  redis.call('ZADD', pick.leases[j], deadline, lease_id)
+  extend_ttl(pick.leases[j], ctx.lease_timeout + ctx.grace)
+  drop_expired(pick.leases[j], ctx.now - ctx.lease_timeout)
+  learn_blocks(ctx, pick, j)
   local names = {}
   for i, o in ipairs(ctx.placed) do
     names[i] = pick.endpoints[o]

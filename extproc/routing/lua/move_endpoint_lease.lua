@@ -4,7 +4,9 @@
 -- (renewals move it there: renew_endpoint_lease is XX on every endpoint; a release or an
 -- abandonment removes it from every one). Only a live lease recorded on `from` moves; idempotent
 -- (a lease already moved, released or expired is left as it is). An endpoint the pair does not
--- list, a provider that does not pick, or `from` = `to`: nothing changes.
+-- list, a provider that does not pick, or `from` = `to`: nothing changes. A move also teaches
+-- `to`'s prefix index the request's blocks (lib.lua's prompt blocks, as its admission passed
+-- them): the session's next placement finds its prefix where it was served.
 -- Op ARGV: provider name, lease id, the endpoint placed on, the endpoint that answered (`ip:port`).
 -- Reply: lib.lua's reply: MOVED with the lease's deadline when it counts on `to` now (moved, or
 -- moved before), else NOT_FOUND; an error reply for an unknown provider.
@@ -31,4 +33,5 @@ redis.call('ZREM', p.pick.leases[from], lease_id)
 redis.call('ZADD', p.pick.leases[to], score, lease_id)
 extend_ttl(p.pick.leases[to], ctx.lease_timeout + ctx.grace)
 drop_expired(p.pick.leases[to], ctx.now - ctx.lease_timeout)
+learn_blocks(ctx, p.pick, to)
 return reply(ctx, 'MOVED', nil, lease_id, score)

@@ -216,6 +216,24 @@ async def test_a_lease_answered_by_another_endpoint_counts_there(proxies, redis_
     assert await redis_client.zscore(key(elsewhere), expired.id) is None
 
 
+async def test_the_endpoint_that_answered_learns_the_prompt_and_draws_its_prefix(redis_client, redis_url):
+    """A moved lease teaches the answering endpoint's prefix index the request's blocks (the
+    decision's, passed again with the move): a later request with the same prefix is placed
+    there, not on the endpoint that never served it."""
+    config = pick_config(redis_url, cap=None)
+    state = RoutingState(redis_client, config)
+    document = "The shared system prompt of one group of users. " * 40
+    with deciding_with(blocks(document + "first user")):
+        lease = (await state.try_admit_request_without_pin("iris-1", "m", now_ms=T0)).lease
+        answered = next(e for e in ENDPOINTS if e != lease.endpoint)
+        assert (await state.move_endpoint_lease(lease, answered, now_ms=T0 + 1)).result is Result.MOVED
+    assert await redis_client.zcard(state.keys.endpoint_prefixes("m", "iris-1", answered)) == len(blocks(document + "first user"))
+    await state.release_request_lease(lease, refresh_pin=False, now_ms=T0 + 2)
+    with deciding_with(blocks(document + "second user")):
+        later = (await state.try_admit_request_without_pin("iris-1", "m", now_ms=T0 + 3)).lease
+    assert later.endpoint == answered
+
+
 async def test_the_lease_table_moves_a_lease_to_the_endpoint_that_answered(redis_client, redis_url):
     """LeaseTable.answered_by: the held lease names the endpoint that answered first (its chain
     record, `x-iris-endpoint` and an adoption read it) and Redis counts it there; a Redis that
