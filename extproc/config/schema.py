@@ -329,8 +329,8 @@ class Placement(_Strict):
     `index_blocks_per_endpoint` hashes an endpoint served (LRU), for `index_ttl_seconds` after
     its last update. `in_flight`: the endpoint's exact count of running requests of the pair,
     or, with a `load` gauge on the provider, its engine's latest count of requests when higher.
-    With the defaults a full prefix match is worth 2 requests in flight: a hot prefix stays on
-    the endpoint that holds it until that endpoint carries 2 more requests than another one,
+    With the defaults a full prefix match is worth 4 requests in flight: a hot prefix stays on
+    the endpoint that holds it until that endpoint carries 4 more requests than another one,
     then spreads (pure prefix affinity piles a hot prefix on one replica: SGLang #21199,
     AIBrix #1178).
 
@@ -340,7 +340,7 @@ class Placement(_Strict):
     endpoint and moves no session; one that disappears moves only its own sessions; a failed
     or empty answer keeps the endpoints known (docs/operations.md "Real fleets")."""
 
-    prefix_weight: float = Field(default=2.0, ge=0)
+    prefix_weight: float = Field(default=4.0, ge=0)
     load_weight: float = Field(default=1.0, gt=0)
     block_chars: int = Field(default=256, ge=16, le=65_536)
     max_blocks: int = Field(default=32, ge=1, le=256)

@@ -64,7 +64,7 @@ def test_the_cap_per_endpoint_is_for_pick_only():
 def test_the_placement_weights_are_config_with_defaults():
     config = parse_config(fleet())
     placement = config.routing.placement
-    assert (placement.prefix_weight, placement.load_weight, placement.block_chars) == (2.0, 1.0, 256)
+    assert (placement.prefix_weight, placement.load_weight, placement.block_chars) == (4.0, 1.0, 256)
     assert any("load_weight" in p for p in problems({**fleet(), "routing": {"placement": {"load_weight": 0}}}))
 
 

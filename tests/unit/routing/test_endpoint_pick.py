@@ -10,6 +10,7 @@ import pytest
 
 from extproc.config import RedisSettings, parse_config
 from extproc.routing.degraded import DegradedFlags
+from extproc.routing.endpoint_health import CONNECT, EndpointHealth
 from extproc.routing.lease_table import LeaseTable
 from extproc.routing.outage import InstanceRegistry, OutagePolicy, RedisBreaker
 from extproc.routing.placement import deciding_with, prompt_blocks
@@ -218,8 +219,9 @@ async def test_a_lease_answered_by_another_endpoint_counts_there(proxies, redis_
 
 async def test_the_endpoint_that_answered_learns_the_prompt_and_draws_its_prefix(redis_client, redis_url):
     """A moved lease teaches the answering endpoint's prefix index the request's blocks (the
-    decision's, passed again with the move): a later request with the same prefix is placed
-    there, not on the endpoint that never served it."""
+    decision's, passed again with the move): once the picked endpoint is out (its refused
+    connection's `connect` flag), a later request with the same prefix is placed there, not on
+    the endpoint that never served it."""
     config = pick_config(redis_url, cap=None)
     state = RoutingState(redis_client, config)
     document = "The shared system prompt of one group of users. " * 40
@@ -229,6 +231,7 @@ async def test_the_endpoint_that_answered_learns_the_prompt_and_draws_its_prefix
         assert (await state.move_endpoint_lease(lease, answered, now_ms=T0 + 1)).result is Result.MOVED
     assert await redis_client.zcard(state.keys.endpoint_prefixes("m", "iris-1", answered)) == len(blocks(document + "first user"))
     await state.release_request_lease(lease, refresh_pin=False, now_ms=T0 + 2)
+    await EndpointHealth(redis_client, config.redis.key_prefix).set("iris-1", "m", lease.endpoint, "connect: refused", 60, CONNECT)
     with deciding_with(blocks(document + "second user")):
         later = (await state.try_admit_request_without_pin("iris-1", "m", now_ms=T0 + 3)).lease
     assert later.endpoint == answered
@@ -284,7 +287,7 @@ async def test_sessionless_requests_go_to_the_least_loaded_endpoint(proxies, red
 
 
 async def test_a_shared_prefix_lands_where_it_was_served_unless_that_endpoint_is_loaded(redis_client, redis_url):
-    config = pick_config(redis_url, cap=None)
+    config = pick_config(redis_url, cap=None, prefix_weight=2)
     proxies = [RoutingState(redis_client, config) for _ in range(3)]
     document = "You answer questions about this document. " * 40  # a shared prefix of ~1.7 kB: 6 blocks
     with deciding_with(blocks(document + "first user")):
