@@ -753,7 +753,8 @@ def pick_cluster_problems(provider: Provider, clusters: dict[str, Any], envoy_na
     ), None)
     where = f"provider {provider.name}: cluster {provider.cluster!r} of {envoy_name}"
     if policy is None:
-        return [f"{where} cannot take the router's pick: its load_balancing_policy is not {OVERRIDE_HOST_POLICY} (affinity pick)"]
+        return [f"{where} cannot take the router's pick: its load_balancing_policy is not {OVERRIDE_HOST_POLICY} "
+                "(affinity pick, the default for a managed provider with endpoints; affinity session_hash keeps Envoy's hash)"]
     typed = _dict(policy.get("typed_config"))
     sources = [_dict(s) for s in _list(typed.get("override_host_sources"))]
     reads = any(str(s.get("header", "")).lower() == DESTINATION_ENDPOINT_HEADER for s in sources) or any(

@@ -308,13 +308,15 @@ def _pick_problems(at: str, provider: Provider) -> list[str]:
         try:
             identities = pick_endpoints(provider.endpoints)
         except EndpointError as exc:
-            return [f"{at}.endpoints: {exc} (affinity pick names each endpoint by its ip:port)"]
+            return [f"{at}.endpoints: {exc} (affinity pick names each endpoint by its ip:port; affinity session_hash "
+                    "leaves the replica to Envoy's hash)"]
     repeated = sorted(e for e, n in Counter(identities).items() if n > 1)
     if repeated:
         return [f"{at}.endpoints: {', '.join(repeated)} listed more than once (affinity pick: one URL per replica)"]
     return [
         f"{at}.models.{model}.limits: affinity pick counts each endpoint's requests by their leases, and a pair without "
-        "limits takes none for a request without a session: set limits (an empty mapping limits nothing)"
+        "limits takes none for a request without a session: set limits (an empty mapping limits nothing), or "
+        "affinity session_hash to leave the replica to Envoy's hash"
         for model, entry in provider.models.items() if entry.limits is None
     ]
 

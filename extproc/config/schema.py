@@ -420,7 +420,7 @@ class Affinity(str, enum.Enum):
     replica and a replica that fails moves only its own sessions. `own_router` (a deployment with
     a router of its own: Dynamo, the llm-d endpoint picker, SGLang's or vLLM's router): the key
     goes in the header that router reads (`router_session_header`). `none`: nothing is sent.
-    `pick` (a managed pool whose `endpoints` the router knows): the router chooses the endpoint
+    `pick` (a managed pool whose `endpoints` the router knows; its default): the router chooses the endpoint
     of every request itself, in the admission's own Redis script (a session's pin records its
     endpoint; new sessions and sessionless requests are placed by prefix overlap and load,
     `routing.placement`), and tells Envoy in the endpoint-picker protocol's header
@@ -458,8 +458,11 @@ class Provider(_Strict):
     (`pick_endpoints`: a host name is resolved once, when the config is loaded), except when
     `endpoints` is one URL whose host is a DNS name: then each address the name resolves to is
     an endpoint, resolved again every `routing.placement.dns_refresh_seconds`.
-    `affinity` (default: `session_hash` for a managed provider, `none` for an unlimited one, which
-    never receives a session key): see Affinity. `router_session_header`: with `own_router`, a
+    `affinity` (default: `pick` for a managed provider with `endpoints`, unless it names a
+    `sessionless_cluster`, which only a hashed pool has; `session_hash` for another managed
+    provider; `none` for an unlimited one, which never receives a session key): see Affinity.
+    `pick` is the default since it beat `session_hash` on both of `bench.real_engines`'s
+    workloads (docs/benchmarks.md); a pool whose Envoy cluster hashes sets `session_hash`. `router_session_header`: with `own_router`, a
     preset (`dynamo`, `llm-d`, `sglang`, `vllm-router`) or the header's own name.
     `sessionless_cluster`: an Envoy cluster over the same replicas with `lb_policy:
     LEAST_REQUEST`, for the requests without a session (embeddings, for one); without it they go
@@ -494,12 +497,16 @@ class Provider(_Strict):
         """`affinity`, or its default for the provider's kind."""
         if self.affinity is not None:
             return self.affinity
-        return Affinity.SESSION_HASH if self.kind is ProviderKind.MANAGED else Affinity.NONE
+        if self.kind is ProviderKind.UNLIMITED:
+            return Affinity.NONE
+        if self.endpoints and self.sessionless_cluster is None:
+            return Affinity.PICK
+        return Affinity.SESSION_HASH
 
     @property
     def picks(self) -> bool:
         """Whether the router picks this provider's endpoint (affinity `pick`)."""
-        return self.affinity is Affinity.PICK
+        return self.session_affinity is Affinity.PICK
 
     def session_header(self, affinity_header: str) -> str | None:
         """The header that carries the session key to this provider (`affinity_header`: the

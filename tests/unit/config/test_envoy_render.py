@@ -258,7 +258,7 @@ def test_a_template_whose_providers_pick_their_protocol_by_alpn_renders_one_envo
     data = fleet()
     data["providers"][2]["endpoints"] = ["https://api.tensorx.example"]
     data["providers"].append({"name": "tls-pool", "kind": "managed", "cluster": "tls-pool", "endpoints": ["https://10.0.0.7:8443"],
-                              "models": {"m": {"features": ["chat"]}}})
+                              "affinity": "session_hash", "models": {"m": {"features": ["chat"]}}})
     config = parse_config(data)
     alpn = template()
     clusters = alpn["static_resources"]["clusters"]

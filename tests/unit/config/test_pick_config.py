@@ -53,6 +53,25 @@ def test_pick_needs_limits_so_that_every_request_takes_a_lease():
     assert parse_config(data).providers[0].limits("m") is not None
 
 
+def test_pick_is_the_default_for_a_managed_provider_with_endpoints():
+    """Since it beat the hash on both of bench.real_engines's workloads (docs/benchmarks.md):
+    `endpoints` without `affinity` pick; a `sessionless_cluster` (a hashed pool's) or no
+    `endpoints` keeps the hash; a third party gets no session key."""
+    data = fleet()
+    del data["providers"][0]["affinity"]
+    config = parse_config(data)
+    assert [(p.session_affinity.value, p.picks) for p in config.providers] == [("pick", True), ("none", False)]
+    hashed = copy.deepcopy(data)
+    del hashed["providers"][0]["models"]["m"]["max_in_flight_per_endpoint"]
+    hashed["providers"][0]["sessionless_cluster"] = "pool-spread"
+    assert not parse_config(hashed).providers[0].picks
+    hashed["providers"][0].pop("sessionless_cluster")
+    hashed["providers"][0]["endpoints"] = []
+    assert parse_config(hashed).providers[0].session_affinity.value == "session_hash"
+    del data["providers"][0]["models"]["m"]["limits"]
+    assert any("or affinity session_hash" in p for p in problems(data)), "the error says how to keep the hash"
+
+
 def test_the_cap_per_endpoint_is_for_pick_only():
     data = fleet(affinity="session_hash")
     assert any("max_in_flight_per_endpoint: only with affinity pick" in p for p in problems(data))
