@@ -3,9 +3,9 @@
 -- else. Replies ADMITTED or THIRD_PARTY_SHARE_REACHED, without pin or lease.
 -- Op ARGV: provider name, the decision's lease id (the admission's member in the share's zsets).
 local ctx = read_context()
-local p = ctx.by_name[op_arg(ctx, 1)]
+local p, unknown = op_provider(ctx)
 if not p then
-  return unknown_provider(ctx, op_arg(ctx, 1))
+  return unknown
 end
 if not share_admits(ctx, p, op_arg(ctx, 2)) then
   return reply(ctx, 'THIRD_PARTY_SHARE_REACHED', nil)

@@ -2,11 +2,11 @@
 -- the provider and admit the request, unless another request pinned the session first.
 -- Op ARGV: provider name, lease id, id for the new pin.
 local ctx = read_context()
-local p = ctx.by_name[op_arg(ctx, 1)]
-local lease_id, pin_id = op_arg(ctx, 2), op_arg(ctx, 3)
+local p, unknown = op_provider(ctx)
 if not p then
-  return unknown_provider(ctx, op_arg(ctx, 1))
+  return unknown
 end
+local lease_id, pin_id = op_arg(ctx, 2), op_arg(ctx, 3)
 local replay = replayed_admission(ctx, p, lease_id)
 if replay then
   return replay

@@ -2,11 +2,11 @@
 -- or offloaded from its pin) takes a lease on a pair with limits; it may not use reserved slots.
 -- Op ARGV: provider name, lease id.
 local ctx = read_context()
-local p = ctx.by_name[op_arg(ctx, 1)]
-local lease_id = op_arg(ctx, 2)
+local p, unknown = op_provider(ctx)
 if not p then
-  return unknown_provider(ctx, op_arg(ctx, 1))
+  return unknown
 end
+local lease_id = op_arg(ctx, 2)
 local replay = replayed_admission(ctx, p, lease_id)
 if replay then
   return replay

@@ -16,11 +16,11 @@
 -- Op ARGV: provider name, lease id, within limits ("1"/"0"), the lease's endpoint (`ip:port`,
 -- "" when none).
 local ctx = read_context()
-local p = ctx.by_name[op_arg(ctx, 1)]
-local lease_id = op_arg(ctx, 2)
+local p, unknown = op_provider(ctx)
 if not p then
-  return unknown_provider(ctx, op_arg(ctx, 1))
+  return unknown
 end
+local lease_id = op_arg(ctx, 2)
 local j = p.pick and p.pick.index[op_arg(ctx, 4) or '']
 local score = tonumber(redis.call('ZSCORE', p.leases_key, lease_id)) or 0
 if op_arg(ctx, 3) == '1' and score <= ctx.now then

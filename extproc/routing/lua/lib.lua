@@ -646,6 +646,17 @@ local function unknown_provider(ctx, name)
   return redis.error_reply('ERR unknown provider for this model: ' .. tostring(name))
 end
 
+-- The provider an op names first (op ARGV 1), or nil and the error reply for one the model's
+-- pairs do not list.
+local function op_provider(ctx)
+  local name = op_arg(ctx, 1)
+  local p = ctx.by_name[name]
+  if p then
+    return p
+  end
+  return nil, unknown_provider(ctx, name)
+end
+
 -- The leases of a call that renews or releases several (renew.lua, release.lua): the op ARGV holds
 -- `width` arguments per lease, the first the provider's name; KEYS[1..3] are the first lease's
 -- session keys, and 3 per further lease come last in KEYS. Calls `one(p, i)` (i: the lease's first

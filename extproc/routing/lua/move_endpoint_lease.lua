@@ -11,11 +11,11 @@
 -- Reply: lib.lua's reply: MOVED with the lease's deadline when it counts on `to` now (moved, or
 -- moved before), else NOT_FOUND; an error reply for an unknown provider.
 local ctx = read_context()
-local p = ctx.by_name[op_arg(ctx, 1)]
-local lease_id = op_arg(ctx, 2)
+local p, unknown = op_provider(ctx)
 if not p then
-  return unknown_provider(ctx, op_arg(ctx, 1))
+  return unknown
 end
+local lease_id = op_arg(ctx, 2)
 local from = p.pick and p.pick.index[op_arg(ctx, 3)]
 local to = p.pick and p.pick.index[op_arg(ctx, 4)]
 if not from or not to or from == to then
