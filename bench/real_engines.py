@@ -384,10 +384,10 @@ def iris_config(front: str, urls: list[str], parallel: int, queue_wait_ms: int, 
     provider: dict[str, Any] = {"name": HOME, "kind": "managed", "cluster": HOME, "models": {MODEL_NAME: model}}
     if front.startswith("iris_pick"):
         provider |= {"affinity": "pick", "endpoints": urls}
-    else:  # the pool behind Envoy's MAGLEV cluster, which knows the URLs (bench.common)
-        provider["affinity"] = "session_hash"
         if operator:
             model["max_in_flight_per_endpoint"] = parallel
+    else:  # the pool behind Envoy's MAGLEV cluster, which knows the URLs (bench.common)
+        provider["affinity"] = "session_hash"
     config: dict[str, Any] = {"redis": {"key_prefix": "real"}, "server": {"expose_routing_headers": True},
                               "providers": [provider]}
     if operator:

@@ -407,11 +407,14 @@ class LocalGateway(StartedTogether):
 
     def _rendered_bootstrap(self, listener_port: int, admin_port: int, cluster_ports: dict[str, int | list[int]]) -> dict[str, Any]:
         """The bootstrap `iris-extproc envoy-config` renders from the config, the simulated
-        providers' endpoints being their simulators, on this instance's ports."""
+        providers' endpoints being their simulators, on this instance's ports. Each provider
+        keeps the affinity the config gives it (endpoints added here must not make a provider
+        without them pick: the ext_proc server's config does not)."""
         endpoints = dict(self.engines)
         for name in self.pools:
             endpoints[name] = self.replica_urls(name)
-        providers = [p.model_copy(update={"endpoints": endpoints.get(p.name, p.endpoints)}) for p in self.config.providers]
+        providers = [p.model_copy(update={"endpoints": endpoints.get(p.name, p.endpoints), "affinity": p.session_affinity})
+                     for p in self.config.providers]
         config = self.config.model_copy(update={"providers": providers})
         bootstrap = envoy_render.render(config, envoy_config.load_envoy_yaml(self.envoy_source))
         return envoy_config.render_onto(bootstrap, listener_port, admin_port, {"extproc": cluster_ports["extproc"]})

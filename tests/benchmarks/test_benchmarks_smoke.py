@@ -332,3 +332,16 @@ def test_connection_resets_prints_its_figures(front, tmp_path):
     the engine, none reset."""
     figures, result = run_bench("connection_resets", tmp_path, "--front", front, timeout=600)
     assert (figures["answered_by_engines"], figures["resets"], figures["closed_under_request"]) == ("24", "0", "0"), result
+
+
+@pytest.mark.parametrize("front", ["iris_hash", "iris_hash_operator", "iris_pick", "iris_pick_operator"])
+def test_real_engines_gateway_configs_are_valid_and_say_their_affinity(front):
+    """Each gateway front of bench.real_engines parses, with the affinity its name says and, as an
+    operator runs it, each engine capped at its slots where the router picks."""
+    from bench.real_engines import MODEL_NAME, iris_config
+    from extproc.config import parse_config
+
+    urls = ["http://127.0.0.1:9001", "http://127.0.0.1:9002"]
+    pool = parse_config(iris_config(front, urls, parallel=2, queue_wait_ms=2000)).providers[0]
+    assert pool.session_affinity.value == ("pick" if "pick" in front else "session_hash")
+    assert pool.models[MODEL_NAME].max_in_flight_per_endpoint == (2 if front == "iris_pick_operator" else None)

@@ -11,6 +11,7 @@ from collections import Counter
 
 import httpx
 import pytest
+import yaml
 
 from irislab.local_gateway import LocalGateway, ProviderSimulation, simulator_argv
 from irislab.processes import free_port, spawn, wait_for_port
@@ -63,12 +64,16 @@ def test_a_gateway_in_front_of_the_configs_own_endpoints(replicas, tmp_path):
         assert "iris-1-spread" in envoy_file and "MAGLEV" in envoy_file
 
 
-@pytest.mark.parametrize("named", [False, True], ids=["urls", "one-dns-name"])
-def test_a_gateway_that_picks_the_replica_of_the_configs_own_endpoints(replicas, tmp_path, named):
+@pytest.mark.parametrize(("named", "by_default"), [(False, False), (True, False), (False, True)],
+                         ids=["urls", "one-dns-name", "pick-by-default"])
+def test_a_gateway_that_picks_the_replica_of_the_configs_own_endpoints(replicas, tmp_path, named, by_default):
     """`iris-lab up --real-providers` with affinity pick: the router picks among the config's
     own endpoints (two URLs, or one DNS name, `localhost`, which resolves to one of them) and
     Envoy's rendered override_host cluster (STATIC, or STRICT_DNS over the name) sends each
-    request to the replica the router named in `x-iris-endpoint`; a session keeps it."""
+    request to the replica the router named in `x-iris-endpoint`; a session keeps it.
+    `pick-by-default`: no `affinity` (pick is the default with endpoints), beside a simulated
+    managed provider without endpoints, which keeps the hash in the rendered Envoy file as in
+    the router's config (the lab gives it its simulator's endpoint only to render it)."""
     endpoints = [replicas[0].replace("127.0.0.1", "localhost")] if named else replicas
     names = {url.rsplit("/", 1)[1].replace("localhost", "127.0.0.1"): f"pool-{'ab'[i]}" for i, url in enumerate(replicas)}
     limits = {"max_global_in_flight_request_slots": 16}
@@ -81,6 +86,10 @@ def test_a_gateway_that_picks_the_replica_of_the_configs_own_endpoints(replicas,
             {"name": "tensorx", "kind": "unlimited", "cluster": "tensorx", "models": {MODEL: {"features": ["chat"]}}},
         ],
     }
+    if by_default:
+        del config["providers"][0]["affinity"]
+        config["providers"].insert(1, {"name": "iris-2", "kind": "managed", "cluster": "iris-2",
+                                       "models": {MODEL: {"features": ["chat"], "limits": limits}}})
     with LocalGateway(config_data=config, real_providers=True, work_dir=tmp_path / "gateway") as gateway:
         homes: dict[str, str] = {}
         # 24 sessions: idle replicas tie and ties go by the (random) lease id, so 8 missed one
@@ -93,6 +102,9 @@ def test_a_gateway_that_picks_the_replica_of_the_configs_own_endpoints(replicas,
         envoy_file = (gateway.work_dir / "envoy-0.yaml").read_text()
         assert "envoy.load_balancing_policies.override_host" in envoy_file
         assert ("STRICT_DNS" in envoy_file) is named
+        if by_default:
+            clusters = {c["name"]: c for c in yaml.safe_load(envoy_file)["static_resources"]["clusters"]}
+            assert clusters["iris-2"]["lb_policy"] == "MAGLEV" and "load_balancing_policy" not in clusters["iris-2"]
 
 
 class Simulators:
