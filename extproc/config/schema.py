@@ -420,10 +420,10 @@ class Affinity(str, enum.Enum):
     replica and a replica that fails moves only its own sessions. `own_router` (a deployment with
     a router of its own: Dynamo, the llm-d endpoint picker, SGLang's or vLLM's router): the key
     goes in the header that router reads (`router_session_header`). `none`: nothing is sent.
-    `pick` (a managed pool whose `endpoints` the router knows; its default): the router chooses the endpoint
-    of every request itself, in the admission's own Redis script (a session's pin records its
-    endpoint; new sessions and sessionless requests are placed by prefix overlap and load,
-    `routing.placement`), and tells Envoy in the endpoint-picker protocol's header
+    `pick` (a managed pool whose `endpoints` the router knows; its default): the router chooses
+    the endpoint of every request itself, in the admission's own Redis script (a session's pin
+    records its endpoint; new sessions and sessionless requests are placed by prefix overlap
+    and load, `routing.placement`), and tells Envoy in the endpoint-picker protocol's header
     `x-gateway-destination-endpoint` (docs/operations.md "Real fleets")."""
 
     SESSION_HASH = "session_hash"
@@ -462,8 +462,9 @@ class Provider(_Strict):
     `sessionless_cluster`, which only a hashed pool has; `session_hash` for another managed
     provider; `none` for an unlimited one, which never receives a session key): see Affinity.
     `pick` is the default since it beat `session_hash` on both of `bench.real_engines`'s
-    workloads (docs/benchmarks.md); a pool whose Envoy cluster hashes sets `session_hash`. `router_session_header`: with `own_router`, a
-    preset (`dynamo`, `llm-d`, `sglang`, `vllm-router`) or the header's own name.
+    workloads (docs/benchmarks.md); a pool whose Envoy cluster hashes sets `session_hash`.
+    `router_session_header`: with `own_router`, a preset (`dynamo`, `llm-d`, `sglang`,
+    `vllm-router`) or the header's own name.
     `sessionless_cluster`: an Envoy cluster over the same replicas with `lb_policy:
     LEAST_REQUEST`, for the requests without a session (embeddings, for one); without it they go
     to `cluster`, where a consistent-hash balancer picks a replica at random.
