@@ -166,9 +166,6 @@ class LocalGateway(StartedTogether):
     def provider_url(self, name: str) -> str:
         return f"http://127.0.0.1:{self.providers[name].port}"
 
-    def _provider(self, name: str) -> Provider:
-        return next(p for p in self.config.providers if p.name == name)
-
     @property
     def _picks(self) -> bool:
         """Whether a provider has affinity pick: Envoy's cluster must then be the rendered one
@@ -306,7 +303,7 @@ class LocalGateway(StartedTogether):
             if entry["name"] in self.engines:
                 providers.append(entry)
                 continue
-            if self._provider(entry["name"]).picks:  # the router picks among the simulated replicas themselves
+            if self.config.provider(entry["name"]).picks:  # the router picks among the simulated replicas themselves
                 entry["endpoints"] = self.replica_urls(entry["name"])
             port = self.providers[entry["name"]].port
             for name in ("health_check", "load"):
