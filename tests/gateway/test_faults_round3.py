@@ -55,10 +55,12 @@ def config(limit: int, lease_timeout: float, **extra) -> dict:
 
 class Streams:
     """`count` streamed chat requests at once (new sessions), each `tokens` tokens long, run in
-    threads; `results` gets (status, provider, ended with [DONE]) of each."""
+    threads; `results` gets (status, provider, ended with [DONE]) of each, `answered` counts the
+    streams whose response headers reached their client (the router has answered them)."""
 
     def __init__(self, url: str, count: int, tokens: int, prefix: str):
         self.results: list[tuple[int, str, bool]] = []
+        self.answered = 0
         self.threads = [threading.Thread(target=self._one, args=(url, f"{prefix}-{i}", tokens), daemon=True) for i in range(count)]
         for thread in self.threads:
             thread.start()
@@ -67,6 +69,7 @@ class Streams:
         body = {"model": MODEL, "stream": True, "max_tokens": tokens, "messages": [{"role": "user", "content": name}]}
         try:
             with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, headers={"x-session-id": name}, timeout=120) as response:
+                self.answered += 1
                 text = response.read().decode()
                 self.results.append((response.status_code, response.headers.get("x-iris-provider", ""), text.rstrip().endswith("data: [DONE]")))
         except httpx.HTTPError as exc:

@@ -15,7 +15,7 @@ import yaml
 
 from irislab.local_gateway import LocalGateway, ProviderSimulation, simulator_argv
 from irislab.processes import free_port, spawn, wait_for_port
-from tests.support.gateway import self_signed_certificate, wait_until
+from tests.support.gateway import envoy_stat, self_signed_certificate, wait_until
 
 MODEL = "m"
 
@@ -154,11 +154,6 @@ def simulators(tmp_path):
 def received(port: int) -> int:
     """The requests an HTTPS simulator received."""
     return httpx.get(f"https://127.0.0.1:{port}/stats", timeout=5, verify=False).json()["requests"]
-
-
-def envoy_stat(gateway: LocalGateway, name: str) -> int:
-    text = httpx.get(f"http://127.0.0.1:{gateway.running[0].admin_port}/stats?filter=^{name}$", timeout=5).text
-    return int(text.split(":")[1]) if ":" in text else 0
 
 
 def test_https_providers_are_verified_by_chain_and_name(simulators, tmp_path):

@@ -21,6 +21,7 @@ import httpx
 
 from tests.support.gateway import (
     chat_body,
+    envoy_stat,
     live_leases,
     post,
     provider_stats,
@@ -64,7 +65,10 @@ def test_a_stalled_router_is_a_routing_timeout_and_loses_nothing(tmp_path):
         try:
             answering = threading.Thread(target=answer_during_the_stall)
             answering.start()
+            # Its lease is in Redis before the router's answer reaches Envoy: stall the router
+            # only once Envoy has sent the request to the provider (the stream and this one).
             assert wait_until(lambda: live_leases(redis_client(gateway)) == 2, within_seconds=10)
+            assert wait_until(lambda: envoy_stat(gateway, "cluster.iris-1.upstream_rq_total") == 2, within_seconds=10)
             os.kill(extproc.popen.pid, signal.SIGSTOP)
         finally:
             os.kill(provider.popen.pid, signal.SIGCONT)

@@ -110,6 +110,12 @@ def provider_stats(gateway: LocalGateway, name: str) -> dict:
     return httpx.get(f"{gateway.provider_url(name)}/stats", timeout=5).json()
 
 
+def envoy_stat(gateway: LocalGateway, name: str) -> int:
+    """One counter or gauge of the first instance's Envoy (its admin /stats), 0 when absent."""
+    text = httpx.get(f"http://127.0.0.1:{gateway.running[0].admin_port}/stats?filter=^{name}$", timeout=5).text
+    return int(text.split(":")[1]) if ":" in text else 0
+
+
 def self_signed_certificate(directory: Path, host: str = "localhost") -> tuple[Path, Path]:
     """A self-signed certificate for `host` (P-256, one day) and its key, made with the openssl
     command: (cert.pem, key.pem) in `directory`. Skips the test when openssl is missing."""
