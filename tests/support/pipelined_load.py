@@ -5,6 +5,7 @@ condition."""
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 
 from extproc.storage.client import REDIS_FAILURES, LuaScript
 from extproc.storage.pipelined import PipelinedRedis
@@ -14,11 +15,13 @@ WRITE = LuaScript("redis.call('SET', KEYS[1], ARGV[1]) return ARGV[1]")
 
 class Writers:
     """`per_key` looping writers of `b"x"` to each of `keys` through `client`; `outcomes` holds
-    every reply (`b"x"`) or Redis failure (the exception) in the order they came."""
+    every reply (`b"x"`) or Redis failure (the exception) in the order they came, `answered`
+    the replies per key."""
 
     def __init__(self, client: PipelinedRedis, keys: list[str], per_key: int = 4):
         self.client = client
         self.outcomes: list[object] = []
+        self.answered: Counter[str] = Counter()
         self._stop = asyncio.Event()
         self._tasks = [asyncio.ensure_future(self._write(key)) for key in keys for _ in range(per_key)]
 
@@ -26,6 +29,7 @@ class Writers:
         while not self._stop.is_set():
             try:
                 self.outcomes.append(await self.client.evalsha(WRITE, [key], ["x"]))
+                self.answered[key] += 1
             except REDIS_FAILURES as exc:
                 self.outcomes.append(exc)
                 await asyncio.sleep(0.01)
