@@ -95,7 +95,7 @@ def test_a_reload_that_raises_the_lease_timeout_keeps_running_leases(tmp_path):
     with LocalGateway(config_data=config(limit=2, lease_timeout=3), simulations=sims, work_dir=tmp_path) as gateway:
         instance = gateway.running[0]
         state = redis.Redis.from_url(gateway.redis_url)
-        running = Streams(instance.url, count=2, tokens=90, prefix="long")  # 9 s each
+        running = Streams(instance.url, count=2, tokens=120, prefix="long")  # 12 s each: past the third request
         assert wait_until(lambda: provider_stats(gateway, "iris-1")["in_flight"] == 2, within_seconds=10)
         raised = yaml.safe_load(instance.config_path.read_text())
         raised["lease_timeout_seconds"] = 12  # renewals every 4 s if taken from the new timeout

@@ -12,7 +12,16 @@ import pytest
 import redis
 
 from tests.support.fleet import LoadPlan, pinned_providers_per_session, run_load
-from tests.support.gateway import LIMITS, MODEL, clear_routing_state, gateway_config, provider_stats, start_gateway, wait_for_no_leases
+from tests.support.gateway import (
+    LIMITS,
+    MODEL,
+    clear_routing_state,
+    gateway_config,
+    provider_stats,
+    start_gateway,
+    wait_for_instances_to_know_each_other,
+    wait_for_no_leases,
+)
 
 ENVOY_MESSAGE_TIMEOUT_SECONDS = 5.0  # envoy/envoy.yaml: no request may wait on routing longer
 
@@ -108,7 +117,7 @@ def test_redis_outage_follows_the_policy_and_recovers(tmp_path, policy):
         provider["models"][MODEL]["limits"] = limits
     gateway = start_gateway(tmp_path, instances=3, redis=dict(data["redis"], outage_policy=policy), providers=data["providers"])
     try:
-        time.sleep(1.5)  # every instance has heartbeated, so each knows there are three
+        assert wait_for_instances_to_know_each_other(gateway)  # each knows there are three
         plan = LoadPlan(requests=900, sessions=90, concurrency=12, stream_share=0.3, abort_share=0.0, max_tokens=4)
         thread, box = run_in_thread(lambda: run_load([i.url for i in gateway.running], plan))
         time.sleep(1.0)

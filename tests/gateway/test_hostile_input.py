@@ -23,7 +23,6 @@ from tests.support.gateway import (
     chat_body,
     clear_routing_state,
     gateway_config,
-    live_leases,
     post,
     redis_client,
     start_gateway,
@@ -198,7 +197,7 @@ def test_nothing_was_lost_to_hostile_input(gateway):
     assert all(instance.extproc.alive() for instance in gateway.running)
     response = post(gateway, "/v1/chat/completions", json=chat_body("still there?"))
     assert response.status_code == 200
-    assert live_leases(redis_client(gateway)) == 0
+    assert wait_for_no_leases(redis_client(gateway), within_seconds=5) == 0
     log = gateway.running[0].extproc.log_tail(2_000_000)
     assert "Traceback" not in log and "Unexpected error" not in log
 

@@ -22,6 +22,7 @@ from tests.support.gateway import (
     provider_stats,
     redis_client,
     start_gateway,
+    wait_for_instances_to_know_each_other,
     wait_for_no_leases,
     wait_until,
 )
@@ -87,10 +88,11 @@ def test_a_lease_redis_saw_expire_is_still_lost(tmp_path):
         assert wait_until(lambda: live_leases(client) == 1, within_seconds=10)
         seconds, _ = client.time()
         for key in client.keys("*:leases:*"):
-            for member in client.zrange(key, 0, -1):
-                client.zadd(key, {member: seconds * 1000 - 1000}, xx=True)  # expired, the epoch intact
-                taken = {f"taken-{i}": seconds * 1000 + 60_000 for i in range(LIMITS["max_global_in_flight_request_slots"])}
-                client.zadd(key, taken)  # its slots went to others
+            members = client.zrange(key, 0, -1)
+            # Its slots go to others first: a renewal between the two steps finds its lease live.
+            taken = {f"taken-{i}": seconds * 1000 + 60_000 for i in range(LIMITS["max_global_in_flight_request_slots"])}
+            client.zadd(key, taken)
+            client.zadd(key, {member: seconds * 1000 - 1000 for member in members}, xx=True)  # expired, the epoch intact
         thread.join(timeout=60)
         status, done, error, _ = out["u"]
         assert not done  # cut short: the request was cancelled
@@ -129,7 +131,7 @@ def test_an_outage_under_long_streams_keeps_every_limit(tmp_path, policy):
         tmp_path, lease_timeout_seconds=LEASE_TIMEOUT, redis=dict(data["redis"], outage_policy=policy, socket_timeout_seconds=0.2)
     )
     try:
-        time.sleep(1.2)  # one heartbeat: the instance knows N
+        assert wait_for_instances_to_know_each_other(gateway)  # the divisor of the local share
         out: dict = {}
         # 3 long streams (4 s each): 2 pinned on iris-1, 1 on iris-2 (pin limit 2), room left there.
         long = [stream_in_thread(gateway.url, f"long-{i}", 200, out) for i in range(3)]
@@ -159,6 +161,13 @@ def local_leases(metrics_url: str) -> float:
     raise AssertionError("no iris_local_leases metric")
 
 
+def outage_series(metrics_url: str) -> str:
+    """The router's series on Redis, its breaker, the outage policy and its decisions."""
+    text = httpx.get(metrics_url, timeout=5).text
+    return "\n".join(line for line in text.splitlines()
+                     if line.startswith(("iris_redis", "iris_outage", "iris_local", "iris_routing_decisions", "iris_decisions")))
+
+
 @pytest.mark.slow
 def test_continuous_traffic_through_a_recovery_leaves_no_local_lease(tmp_path):
     data = gateway_config()
@@ -167,7 +176,7 @@ def test_continuous_traffic_through_a_recovery_leaves_no_local_lease(tmp_path):
     )
     metrics_url = gateway.running[0].metrics_url
     try:
-        time.sleep(1.2)  # one heartbeat: the instance knows N
+        assert wait_for_instances_to_know_each_other(gateway)  # the divisor of the local share
         stop = threading.Event()
         plan = LoadPlan(requests=100_000, sessions=40, concurrency=8, stream_share=1.0, abort_share=0.0, max_tokens=10)
         box: dict = {}
@@ -185,8 +194,8 @@ def test_continuous_traffic_through_a_recovery_leaves_no_local_lease(tmp_path):
         thread.start()
         time.sleep(1.0)
         gateway.redis.popen.send_signal(signal.SIGSTOP)
-        time.sleep(2.0)
-        assert local_leases(metrics_url) > 0  # own providers took their local share meanwhile
+        # Own providers take their local share meanwhile (the series say why not, if ever).
+        assert wait_until(lambda: local_leases(metrics_url) > 0, within_seconds=5), outage_series(metrics_url)
         gateway.redis.popen.send_signal(signal.SIGCONT)
         # Traffic goes on; recovery adopts until nothing local is left.
         assert wait_until(lambda: local_leases(metrics_url) == 0, within_seconds=10)
@@ -216,7 +225,7 @@ def test_new_requests_right_after_an_empty_restart_keep_the_limit(tmp_path):
         provider["models"][MODEL]["limits"] = limits
     gateway = start_gateway(tmp_path, instances=3, lease_timeout_seconds=LEASE_TIMEOUT, providers=data["providers"])
     try:
-        time.sleep(1.2)  # one heartbeat each
+        assert wait_for_instances_to_know_each_other(gateway)  # the divisor of the local share
         out: dict = {}
         # 6 long streams (6 s each), 2 per instance: both own providers full (3 + 3).
         long = [stream_in_thread(gateway.running[i % 3].url, f"long-{i}", 300, out) for i in range(6)]

@@ -132,8 +132,12 @@ def test_reload_under_load(tmp_path):
             return {**config, "providers": [p for p in config["providers"] if p["name"] != provider]}
 
         def drained_to(name: str, slots: int) -> None:
-            """Requests admitted before the reload finish (successfully); then the peak restarts."""
-            assert wait_until(lambda: stats(gateway, name)["in_flight"] <= slots, within_seconds=60)
+            """Requests admitted before the reload finish (successfully); then the peak restarts.
+            Counted by their leases, which also hold the requests still on their way to `name`,
+            and by the provider, whose handler may end just after the lease."""
+            state = redis_client(gateway)
+            assert wait_until(lambda: live_leases(state, f"*:leases:{name}") <= slots
+                              and stats(gateway, name)["in_flight"] <= slots, within_seconds=60)
             reset(gateway, name)
 
         with Load(instance.url) as load:

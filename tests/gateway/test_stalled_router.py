@@ -73,8 +73,8 @@ def test_a_stalled_router_is_a_routing_timeout_and_loses_nothing(tmp_path):
         finally:
             os.kill(provider.popen.pid, signal.SIGCONT)
         try:
-            # The provider has answered it: its headers wait for the stalled router.
-            assert wait_until(lambda: provider_stats(gateway, "iris-1")["in_flight"] == 1, within_seconds=10)
+            # The provider has answered it: its headers wait in Envoy for the stalled router.
+            assert wait_until(lambda: envoy_stat(gateway, "cluster.iris-1.upstream_rq_200") == 2, within_seconds=10)
             late = post(gateway, "/v1/chat/completions", user="late", json=chat_body("during the stall"))
         finally:
             os.kill(extproc.popen.pid, signal.SIGCONT)

@@ -11,6 +11,7 @@ import httpx
 import pytest
 import redis
 
+from extproc.storage.keys import Keyspace
 from irislab.local_gateway import LocalGateway, ProviderSimulation
 
 MODEL = "llama-3.1-70b"
@@ -62,6 +63,12 @@ def redis_client(gateway: LocalGateway) -> redis.Redis:
     return redis.Redis.from_url(gateway.redis_url)
 
 
+def redis_now_ms(client: redis.Redis) -> int:
+    """Redis's clock (TIME), in milliseconds."""
+    seconds, micros = client.time()
+    return seconds * 1000 + micros // 1000
+
+
 def clear_routing_state(client: redis.Redis) -> None:
     """Delete every key but the epoch (test-only: uses KEYS): an empty routing state between
     tests that the running instances do not take for a Redis that lost its state, which would
@@ -75,8 +82,7 @@ def live_leases(client: redis.Redis, keys: str = "*:leases:*") -> int:
     """Live request leases over every provider and model (test-only: uses KEYS); `keys`, a KEYS
     pattern of lease zsets, counts others (`{p:m}:endpoint-leases:*`: the leases of a pick
     pair's endpoints)."""
-    seconds, micros = client.time()
-    now = seconds * 1000 + micros // 1000
+    now = redis_now_ms(client)
     return sum(client.zcount(key, f"({now}", "+inf") for key in client.keys(keys))
 
 
@@ -141,6 +147,28 @@ def wait_until(predicate, within_seconds: float, interval_seconds: float = 0.02)
         if value or time.monotonic() > deadline:
             return value
         time.sleep(interval_seconds)
+
+
+def wait_for_instances_to_know_each_other(gateway: LocalGateway, within_seconds: float = 15.0) -> bool:
+    """Until every instance of `gateway` has heartbeated since all of them were registered in
+    Redis (extproc.routing.outage.InstanceRegistry): each then knows how many instances are live,
+    the divisor of its local share in an outage (one heartbeat interval of sleep is not enough
+    on a loaded machine). Returns whether that happened within `within_seconds`."""
+    client = redis_client(gateway)
+    key = Keyspace(gateway.config.redis.key_prefix).instances()
+    latest: list[float] = []  # the latest heartbeat's deadline (ms) once every instance is registered
+
+    def known() -> bool:
+        deadlines = [score for _, score in client.zrangebyscore(key, f"({redis_now_ms(client)}", "+inf", withscores=True)]
+        if len(deadlines) < len(gateway.running):
+            return False
+        if not latest:
+            latest.append(max(deadlines))
+            return False
+        # A heartbeat's deadline is its time plus the same TTL: each beat since the latest one then.
+        return all(deadline > latest[0] for deadline in deadlines)
+
+    return bool(wait_until(known, within_seconds=within_seconds, interval_seconds=0.05))
 
 
 class PrintedLines:
