@@ -150,17 +150,18 @@ def wait_until(predicate, within_seconds: float, interval_seconds: float = 0.02)
 
 
 def wait_for_instances_to_know_each_other(gateway: LocalGateway, within_seconds: float = 15.0) -> bool:
-    """Until every instance of `gateway` has heartbeated since all of them were registered in
-    Redis (extproc.routing.outage.InstanceRegistry): each then knows how many instances are live,
-    the divisor of its local share in an outage (one heartbeat interval of sleep is not enough
-    on a loaded machine). Returns whether that happened within `within_seconds`."""
+    """Until every ext_proc server of `gateway` has heartbeated since all of them were registered
+    in Redis (extproc.routing.outage.InstanceRegistry): each then knows how many are live, the
+    divisor of its local share in an outage (one heartbeat interval of sleep is not enough on a
+    loaded machine). Returns whether that happened within `within_seconds`."""
     client = redis_client(gateway)
     key = Keyspace(gateway.config.redis.key_prefix).instances()
-    latest: list[float] = []  # the latest heartbeat's deadline (ms) once every instance is registered
+    servers = sum(len(instance.extprocs) for instance in gateway.running)
+    latest: list[float] = []  # the latest heartbeat's deadline (ms) once every server is registered
 
     def known() -> bool:
         deadlines = [score for _, score in client.zrangebyscore(key, f"({redis_now_ms(client)}", "+inf", withscores=True)]
-        if len(deadlines) < len(gateway.running):
+        if len(deadlines) < servers:
             return False
         if not latest:
             latest.append(max(deadlines))
