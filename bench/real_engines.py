@@ -38,9 +38,10 @@ p50/p90/p99 (ms, first chunk with content); the engines' cached share (their own
 over the oracle's; cold prompts: the requests that computed more than half of their prompt (the
 answers' `usage`), against the oracle's count (a group's users that arrive together all compute
 its prefix: only one of them is cold in the oracle); the peak concurrency per engine (sampled
-every 50 ms from `requests_processing + requests_deferred`) against `--parallel`; how sessions and groups spread over the engines
-(bench.engine_tap notes which engine carried each request; "generations carried" counts
-what the engines received, a router's retries included, against the requests the pool served);
+every 50 ms from `requests_processing + requests_deferred`) against `--parallel`; how sessions
+and groups spread over the engines (bench.engine_tap notes which engine carried each request;
+"generations carried" counts what the engines received, a router's retries included, against
+the requests the pool served);
 where the machine's CPU went during the run, in cores: the engines' processes, and the rest (the
 front end, the clients, the relays; without accelerators what a front end spends is taken from
 the engines).

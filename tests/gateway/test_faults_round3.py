@@ -32,7 +32,7 @@ import yaml
 from extproc import cli
 from irislab.local_gateway import LocalGateway, ProviderSimulation
 from irislab.redis_topologies import LocalCluster
-from tests.support.gateway import wait_for_no_leases, wait_until
+from tests.support.gateway import provider_stats, redis_now_ms, wait_for_no_leases, wait_until
 
 MODEL = "m"
 
@@ -81,13 +81,8 @@ class Streams:
         return self.results
 
 
-def provider_stats(gateway: LocalGateway, name: str) -> dict:
-    return httpx.get(f"{gateway.provider_url(name)}/stats", timeout=5).json()
-
-
 def pair_leases(client: redis.Redis, provider: str) -> int:
-    seconds, micros = client.time()
-    return client.zcount(f"{{r3:{MODEL}}}:leases:{provider}", f"({seconds * 1000 + micros // 1000}", "+inf")
+    return client.zcount(f"{{r3:{MODEL}}}:leases:{provider}", f"({redis_now_ms(client)}", "+inf")
 
 
 def test_a_reload_that_raises_the_lease_timeout_keeps_running_leases(tmp_path):
@@ -193,8 +188,7 @@ def test_a_cluster_with_no_reachable_node_is_a_redis_outage_and_renewals_survive
             key = f"{{r3:{MODEL}}}:leases:iris-1"
 
             def adopted() -> bool:
-                seconds, micros = leases.time()
-                return leases.zcount(key, f"({seconds * 1000 + micros // 1000}", "+inf") == 1
+                return leases.zcount(key, f"({redis_now_ms(leases)}", "+inf") == 1
 
             assert wait_until(adopted, within_seconds=20)  # the running request's lease is back
             assert stream.join() == [(200, "iris-1", True)]  # never cancelled: its renewals did not reach Redis in time

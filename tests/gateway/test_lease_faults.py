@@ -225,7 +225,7 @@ def test_new_requests_right_after_an_empty_restart_keep_the_limit(tmp_path):
         provider["models"][MODEL]["limits"] = limits
     gateway = start_gateway(tmp_path, instances=3, lease_timeout_seconds=LEASE_TIMEOUT, providers=data["providers"])
     try:
-        assert wait_for_instances_to_know_each_other(gateway)  # the divisor of the local share
+        assert wait_for_instances_to_know_each_other(gateway)  # each registered, its epoch read
         out: dict = {}
         # 6 long streams (6 s each), 2 per instance: both own providers full (3 + 3).
         long = [stream_in_thread(gateway.running[i % 3].url, f"long-{i}", 300, out) for i in range(6)]

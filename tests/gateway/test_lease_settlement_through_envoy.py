@@ -19,8 +19,8 @@ import pytest
 import redis
 
 from irislab.local_gateway import LocalGateway, ProviderSimulation
-from tests.gateway.test_faults_round3 import MODEL, Streams, provider_stats
-from tests.support.gateway import wait_for_no_leases, wait_until
+from tests.gateway.test_faults_round3 import MODEL, Streams
+from tests.support.gateway import provider_stats, redis_now_ms, wait_for_no_leases, wait_until
 
 LEASE_TIMEOUT = 2.0
 
@@ -40,8 +40,7 @@ def one_slot_config() -> dict:
 
 
 def pair_leases(client: redis.Redis, provider: str) -> int:
-    seconds, micros = client.time()
-    return client.zcount(f"{{settle:{MODEL}}}:leases:{provider}", f"({seconds * 1000 + micros // 1000}", "+inf")
+    return client.zcount(f"{{settle:{MODEL}}}:leases:{provider}", f"({redis_now_ms(client)}", "+inf")
 
 
 @pytest.mark.slow

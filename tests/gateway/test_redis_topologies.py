@@ -38,7 +38,7 @@ from irislab.processes import start_redis
 from irislab.redis_topologies import SERVICE_NAME, LocalCluster, LocalSentinel
 from tests.support.configs import small_config_data
 from tests.support.fleet import LoadPlan, run_load
-from tests.support.gateway import MODEL, gateway_config, provider_stats
+from tests.support.gateway import MODEL, gateway_config, provider_stats, redis_now_ms
 
 ENVOY_MESSAGE_TIMEOUT_SECONDS = 5.0  # envoy/envoy.yaml: no request may wait on routing longer
 MODELS = ["m", "e", "alpha", "beta", "gamma", "delta"]  # spread over the shards (checked below)
@@ -416,11 +416,6 @@ def wait_until_shared_routing(gateway: LocalGateway, within_seconds: float) -> b
                 pending.discard(index)
         time.sleep(0.1)
     return not pending
-
-
-def redis_now_ms(client) -> int:
-    seconds, micros = client.time()
-    return seconds * 1000 + micros // 1000
 
 
 def live_leases(client) -> int:
